@@ -1,0 +1,44 @@
+"""The privacy core: accounting, sampling, clipping, noise. Imports only jax, numpy, optax and
+dp_accounting; knows no model and no data set."""
+
+from dpmix_jax.privacy import accounting, clipping, noise, plan, sampling
+from dpmix_jax.privacy.accounting import (
+    PrivacyBudget,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    compose_parallel,
+    compose_sequential,
+    dpsgd_event,
+    epsilon,
+)
+from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
+from dpmix_jax.privacy.noise import add_gaussian_noise, make_dp_sgd_step, private_optimizer
+from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
+from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler, group_by_user
+
+__all__ = [
+    "ClippedGradSum",
+    "DpSgdConfig",
+    "DpSgdPlan",
+    "PoissonSampler",
+    "PrivacyBudget",
+    "PrivacyLedger",
+    "UserPoissonSampler",
+    "accounting",
+    "add_gaussian_noise",
+    "calibrate_noise_multiplier",
+    "clipped_grad_sum",
+    "clipping",
+    "compose_parallel",
+    "compose_sequential",
+    "dpsgd_event",
+    "epsilon",
+    "group_by_user",
+    "make_dp_sgd_step",
+    "noise",
+    "plan",
+    "plan_dp_sgd",
+    "private_optimizer",
+    "sampling",
+    "user_clipped_grad_sum",
+]

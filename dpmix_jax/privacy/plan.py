@@ -1,0 +1,142 @@
+"""One config drives the sampler, the noise and the accountant, so they cannot drift apart.
+
+`DpSgdConfig` holds the public settings of a Poisson-sampled Gaussian run (target budget, clip
+norm, expected batch size, steps). `plan_dp_sgd(config, num_units=n)` adds the one data-dependent
+value, the number of units (examples or users), and returns a `DpSgdPlan`: the sampling rate the
+sampler uses, the σ calibrated for exactly that rate and step count, and the event the ledger
+records per step.
+
+Example:
+    >>> config = DpSgdConfig(epsilon=1.0, delta=1e-5, clip_norm=1.0, batch_size=100, steps=50)
+    >>> plan = plan_dp_sgd(config, num_units=10_000)
+    >>> plan.sampling_rate, plan.spent().epsilon <= 1.0
+    (0.01, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import dp_accounting
+
+from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DpSgdConfig:
+    """Public settings of a DP-SGD-style run (example or user level).
+
+    Attributes:
+        epsilon: target ε (> 0), or None with `noise_multiplier` given.
+        delta: target δ in (0, 1).
+        clip_norm: C > 0.
+        batch_size: expected number of units per step, b; the rate is q = b / n (capped at 1).
+        steps: T >= 1.
+        noise_multiplier: a fixed σ (then ε is computed, not targeted); None calibrates σ.
+        accountant: "pld" (default) or "rdp".
+        max_examples_per_user: G for user-level runs (None for example level).
+        pad_multiple: sampler padding multiple.
+    """
+
+    epsilon: float | None
+    delta: float
+    clip_norm: float
+    batch_size: float
+    steps: int
+    noise_multiplier: float | None = None
+    accountant: accounting.Accountant = "pld"
+    max_examples_per_user: int | None = None
+    pad_multiple: int = 32
+
+    def __post_init__(self) -> None:
+        if self.epsilon is None and self.noise_multiplier is None:
+            raise ValueError("give a target epsilon or a fixed noise_multiplier.")
+        if self.epsilon is not None:
+            accounting.check_epsilon(self.epsilon)
+        if self.noise_multiplier is not None:
+            accounting.check_noise_multiplier(self.noise_multiplier)
+        accounting.check_delta(self.delta)
+        accounting.check_positive(self.clip_norm, "clip_norm")
+        accounting.check_positive(self.batch_size, "batch_size")
+        accounting.check_steps(self.steps)
+        accounting.make_accountant(self.accountant)
+        if self.max_examples_per_user is not None and (
+            not isinstance(self.max_examples_per_user, int) or self.max_examples_per_user < 1
+        ):
+            raise ValueError(
+                f"max_examples_per_user must be None or an integer >= 1, "
+                f"got {self.max_examples_per_user!r}."
+            )
+
+    @property
+    def user_level(self) -> bool:
+        return self.max_examples_per_user is not None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DpSgdPlan:
+    """A `DpSgdConfig` resolved for a data set of `num_units` units."""
+
+    config: DpSgdConfig
+    num_units: int
+    sampling_rate: float
+    noise_multiplier: float
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·n, the public normaliser of the noisy gradient sum."""
+        return self.sampling_rate * self.num_units
+
+    def sampler(self) -> PoissonSampler | UserPoissonSampler:
+        """The sampler whose rate the accountant assumes."""
+        if self.config.user_level:
+            return UserPoissonSampler(
+                sampling_rate=self.sampling_rate,
+                max_examples_per_user=self.config.max_examples_per_user,
+                pad_multiple=self.config.pad_multiple,
+            )
+        return PoissonSampler(
+            sampling_rate=self.sampling_rate, pad_multiple=self.config.pad_multiple
+        )
+
+    def step_event(self) -> dp_accounting.DpEvent:
+        """The event of one step (record it in the ledger after every executed step)."""
+        return accounting.dpsgd_event(
+            noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate, steps=1
+        )
+
+    def spent(self, steps: int | None = None) -> accounting.PrivacyBudget:
+        """(ε, δ) after `steps` steps (default: all of them), from the accountant."""
+        if self.noise_multiplier == 0:
+            return accounting.PrivacyBudget(math.inf, self.config.delta)
+        event = accounting.dpsgd_event(
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=self.sampling_rate,
+            steps=self.config.steps if steps is None else steps,
+        )
+        eps = accounting.epsilon(event, delta=self.config.delta, accountant=self.config.accountant)
+        return accounting.PrivacyBudget(eps, self.config.delta)
+
+
+def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
+    """Resolves `config` for `num_units` examples (or users): rate q = min(1, b / n) and σ.
+
+    Privacy: `num_units` is the size of the sensitive set; under add/remove DP it is itself
+    sensitive, and the guarantee holds for the σ calibrated here at the rate used by the sampler.
+    """
+    if not isinstance(num_units, int) or num_units < 1:
+        raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}.")
+    rate = min(1.0, config.batch_size / num_units)
+    if config.noise_multiplier is not None:
+        sigma = config.noise_multiplier
+    else:
+        sigma = accounting.calibrate_noise_multiplier(
+            target_epsilon=config.epsilon,
+            delta=config.delta,
+            sampling_rate=rate,
+            steps=config.steps,
+            accountant=config.accountant,
+        )
+    return DpSgdPlan(config=config, num_units=num_units, sampling_rate=rate, noise_multiplier=sigma)

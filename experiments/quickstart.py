@@ -1,0 +1,84 @@
+"""DP-SGD in a few lines: softmax regression on scikit-learn's digits, with the privacy core only.
+
+Command:
+    python -m experiments.quickstart            # about 10 s on 2 CPU cores
+
+Expected: the training loss falls from ln(10) ≈ 2.30 to about 0.2, test accuracy is about 0.93,
+and the printed (ε, δ) is the ledger's for the steps run (ε <= 2 at δ = 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+
+from dpmix_jax.privacy import (
+    DpSgdConfig,
+    PrivacyLedger,
+    clipped_grad_sum,
+    make_dp_sgd_step,
+    plan_dp_sgd,
+    private_optimizer,
+)
+
+
+def example_loss(params, example):
+    logits = example["x"] @ params["w"] + params["b"]
+    return -jax.nn.log_softmax(logits)[example["y"]]
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epsilon", type=float, default=2.0)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int32)
+    order = np.random.default_rng(args.seed).permutation(len(x))
+    train, test = order[:1400], order[1400:]
+
+    config = DpSgdConfig(
+        epsilon=args.epsilon, delta=1e-5, clip_norm=1.0, batch_size=128, steps=args.steps
+    )
+    plan = plan_dp_sgd(config, num_units=len(train))
+    grad_sum = clipped_grad_sum(example_loss, clip_norm=config.clip_norm)
+    optimizer = private_optimizer(
+        optax.adam(0.05),
+        noise_multiplier=plan.noise_multiplier,
+        sensitivity=grad_sum.sensitivity(),
+        expected_batch_size=plan.expected_batch_size,
+        key=jax.random.key(args.seed),
+    )
+    step = jax.jit(make_dp_sgd_step(grad_sum, optimizer))
+    params = {"w": jnp.zeros((64, 10)), "b": jnp.zeros(10)}
+    opt_state = optimizer.init(params)
+    sampler, rng, ledger = plan.sampler(), np.random.default_rng(args.seed), PrivacyLedger()
+    mean_loss = jax.jit(
+        lambda p, xs, ys: jnp.mean(jax.vmap(example_loss, in_axes=(None, 0))(p, {"x": xs, "y": ys}))
+    )
+
+    print(f"σ = {plan.noise_multiplier:.3f}, q = {plan.sampling_rate:.4f}, T = {config.steps}")
+    print(f"{'step':>5} {'train loss':>10}")
+    for t in range(1, config.steps + 1):
+        batch = sampler.sample(rng, len(train))
+        rows = train[np.where(batch.mask, batch.indices, 0)]
+        params, opt_state, _ = step(params, opt_state, {"x": x[rows], "y": y[rows]}, batch.mask)
+        ledger.record(plan.step_event())
+        if t % 50 == 0 or t == 1:
+            print(f"{t:>5} {float(mean_loss(params, x[train], y[train])):>10.4f}")
+    accuracy = float(np.mean(np.argmax(x[test] @ params["w"] + params["b"], axis=1) == y[test]))
+    budget = ledger.budget(config.delta)
+    print(f"test accuracy {accuracy:.3f}; spent {budget} over {ledger.count} steps")
+    return {"accuracy": accuracy, "epsilon": budget.epsilon}
+
+
+if __name__ == "__main__":
+    main()
