@@ -1,0 +1,624 @@
+"""The training engine: one loop for public and private (DP-SGD) training of NNX models.
+
+The model is split once at the boundary (`split_model`): its `nnx.Param` leaves become two flat
+dicts, the *trainable* parameters (differentiated, updated, noised) and the *frozen* ones (never
+differentiated, bit-identical after training), plus the remaining non-parameter state. Every step
+is a jitted pure function of these pytrees; `nnx.merge` rebuilds the model inside the loss.
+
+Private steps follow the privacy contract: a Poisson batch (example or user level) drawn by the
+sampler of the run's `DpSgdPlan`, padded with a mask; the padded batch is cut into chunks of
+`chunk_size` units whose clipped gradient *sums* are accumulated (gradient accumulation keeps the
+sum semantics); noise is added once and the sum divided once by the public expected batch size
+(`privacy.noise.private_optimizer`); the ledger records the plan's event after every executed
+step. Public steps use the ordinary mean gradient over a fixed-size batch.
+
+API:
+    TrainConfig(*, steps, batch_size, learning_rate, optimizer="adam", ..., private=False, ...)
+    make_optimizer(config) -> optax.GradientTransformation
+    split_model(model, trainable_mask=None) -> (ModelSplit, trainable, frozen, rest)
+    check_no_batchnorm(model)
+    IndexedData(gather, num_examples, user_ids=None)      data seen through `gather(indices)`
+    TrainState(step, params, opt_state)                     the pytree that is checkpointed
+    Trainer(config, model, loss_fn, *, trainable_mask=None, num_units=None, noise_key=None,
+            mesh=None)                                      jitted steps for one model and loss
+    fit(trainer, data, *, rng, state=None, ledger=None, checkpointer=None, evaluate=None,
+        logger=None, until=None) -> FitResult
+    MetricLogger(path=None)                                 JSON-lines metrics (+ TensorBoard)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+from dpmix_jax import parallel
+from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
+from dpmix_jax.privacy.noise import private_optimizer
+from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
+from dpmix_jax.privacy.sampling import PADDING_INDEX, group_by_user
+from dpmix_jax.train.losses import Batch, LossFn
+
+PyTree = Any
+Gather = Callable[[np.ndarray], Batch]
+BatchFn = Callable[[np.random.Generator], Batch]
+Optimizer = Literal["sgd", "momentum", "adam", "adamw"]
+Level = Literal["example", "user"]
+
+
+def _check_interval(value: int | None, name: str) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Public settings of a training run. Data-dependent values (data set size, keys) are not here.
+
+    Attributes:
+        steps: number of optimizer steps T.
+        batch_size: public runs: rows per step; private runs: the *expected* batch size b of
+            Poisson sampling (q = b / n).
+        learning_rate: optimizer step size.
+        optimizer: "sgd", "momentum", "adam" or "adamw".
+        momentum: for "momentum" (and beta1 is left at optax's default for Adam).
+        weight_decay: for "adamw".
+        private: DP-SGD (True) or ordinary training (False).
+        level: "example" or "user" (private runs only).
+        clip_norm: C (required for private runs, rejected for public ones).
+        epsilon: target ε; or give `noise_multiplier` instead.
+        delta: target δ (private runs).
+        noise_multiplier: a fixed σ (ε is then computed by the accountant).
+        accountant: "pld" (default) or "rdp".
+        max_examples_per_user: G, examples per sampled user (user level).
+        pad_multiple: Poisson batches are padded to a multiple of this (few jit shapes).
+        chunk_size: gradient accumulation: units per jitted call; the padded batch is cut into
+            chunks of this size whose clipped sums are added before the single noise draw.
+            None: the whole padded batch in one call (compiled once per padded size).
+        microbatch_size: units per vmap inside one call (`lax.scan` over microbatches; memory
+            only, the result is the same); must divide `chunk_size` (or `pad_multiple`).
+        log_every, eval_every, checkpoint_every: intervals in steps (None: never; the last step
+            is always checkpointed when a checkpointer is given).
+        progress: show a tqdm progress bar.
+    """
+
+    steps: int
+    batch_size: int
+    learning_rate: float
+    optimizer: Optimizer = "adam"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    private: bool = False
+    level: Level = "example"
+    clip_norm: float | None = None
+    epsilon: float | None = None
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    accountant: accounting.Accountant = "pld"
+    max_examples_per_user: int | None = None
+    pad_multiple: int = 32
+    chunk_size: int | None = None
+    microbatch_size: int | None = None
+    log_every: int | None = 100
+    eval_every: int | None = None
+    checkpoint_every: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        accounting.check_steps(self.steps)
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}.")
+        accounting.check_positive(self.learning_rate, "learning_rate")
+        if self.optimizer not in ("sgd", "momentum", "adam", "adamw"):
+            raise ValueError(
+                f"optimizer must be 'sgd', 'momentum', 'adam' or 'adamw', got {self.optimizer!r}."
+            )
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}.")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
+        if self.level not in ("example", "user"):
+            raise ValueError(f"level must be 'example' or 'user', got {self.level!r}.")
+        for name in ("pad_multiple", "chunk_size", "microbatch_size"):
+            _check_interval(getattr(self, name), name)
+        for name in ("log_every", "eval_every", "checkpoint_every"):
+            _check_interval(getattr(self, name), name)
+        unit = self.chunk_size or self.pad_multiple
+        if self.microbatch_size is not None and unit % self.microbatch_size:
+            raise ValueError(
+                f"microbatch_size {self.microbatch_size} must divide the chunk of {unit} units "
+                "(chunk_size, or pad_multiple without chunking)."
+            )
+        if self.private:
+            if self.clip_norm is None or self.delta is None:
+                raise ValueError("a private run needs clip_norm and delta.")
+            self.dp_sgd_config()  # validates ε/σ, δ, C, G together
+        else:
+            dp_fields = ("clip_norm", "epsilon", "delta", "noise_multiplier")
+            given = [f for f in dp_fields if getattr(self, f) is not None]
+            if given or self.level != "example" or self.max_examples_per_user is not None:
+                raise ValueError(
+                    f"privacy settings {given or ['level/max_examples_per_user']} given for a "
+                    "public run; set private=True or remove them."
+                )
+
+    def dp_sgd_config(self) -> DpSgdConfig:
+        """The privacy core's config: the one object that drives sampler, σ and accountant."""
+        if self.level == "user" and self.max_examples_per_user is None:
+            raise ValueError("a user-level run needs max_examples_per_user (G).")
+        if self.level == "example" and self.max_examples_per_user is not None:
+            raise ValueError("max_examples_per_user is for user-level runs (level='user').")
+        return DpSgdConfig(
+            epsilon=self.epsilon,
+            delta=self.delta,
+            clip_norm=self.clip_norm,
+            batch_size=self.batch_size,
+            steps=self.steps,
+            noise_multiplier=self.noise_multiplier,
+            accountant=self.accountant,
+            max_examples_per_user=self.max_examples_per_user,
+            pad_multiple=self.pad_multiple,
+        )
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """The optax optimizer named by `config` (applied to the mean or noisy-mean gradient)."""
+    lr = config.learning_rate
+    if config.optimizer == "sgd":
+        return optax.sgd(lr)
+    if config.optimizer == "momentum":
+        return optax.sgd(lr, momentum=config.momentum)
+    if config.optimizer == "adam":
+        return optax.adam(lr)
+    return optax.adamw(lr, weight_decay=config.weight_decay)
+
+
+# --------------------------------------------------------------------------------------------
+# The NNX boundary.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelSplit:
+    """Static description of how a model's parameters split into trainable and frozen dicts."""
+
+    graphdef: Any
+    treedef: Any
+    names: tuple[str, ...]
+    trainable: tuple[bool, ...]
+
+    def merge(self, params: Mapping[str, Any], frozen: Mapping[str, Any], rest: Any) -> nnx.Module:
+        """The model with these parameter values (inside jit: a pure rebuild, no side effects)."""
+        leaves = [
+            params[n] if t else frozen[n] for n, t in zip(self.names, self.trainable, strict=True)
+        ]
+        return nnx.merge(self.graphdef, self.treedef.unflatten(leaves), rest)
+
+
+def split_model(
+    model: nnx.Module, trainable_mask: PyTree | None = None
+) -> tuple[ModelSplit, dict[str, jax.Array], dict[str, jax.Array], Any]:
+    """Splits `model` into `(split, trainable, frozen, rest)`.
+
+    Args:
+        model: an NNX module.
+        trainable_mask: a bool pytree over the `nnx.Param` state (e.g.
+            `models.gpt2.trainable_mask(model, last_n_blocks=2)`); None trains every parameter.
+
+    Returns:
+        The static `ModelSplit`, the trainable and frozen parameters as flat dicts keyed by
+        parameter path, and the non-parameter state.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    names = tuple(jax.tree_util.keystr(path) for path, _ in flat)
+    if trainable_mask is None:
+        trainable = (True,) * len(flat)
+    else:
+        mask_leaves = jax.tree.leaves(trainable_mask)
+        if len(mask_leaves) != len(flat):
+            raise ValueError(
+                f"trainable_mask has {len(mask_leaves)} leaves but the model has {len(flat)} "
+                "parameters; build it from the model's nnx.Param state."
+            )
+        trainable = tuple(bool(m) for m in mask_leaves)
+        if not any(trainable):
+            raise ValueError("trainable_mask marks no parameter as trainable.")
+    split = ModelSplit(graphdef, treedef, names, trainable)
+    leaves = dict(zip(names, (leaf for _, leaf in flat), strict=True))
+    train = {n: leaves[n] for n, t in zip(names, trainable, strict=True) if t}
+    frozen = {n: leaves[n] for n, t in zip(names, trainable, strict=True) if not t}
+    return split, train, frozen, rest
+
+
+def check_no_batchnorm(model: nnx.Module) -> None:
+    """Raises ValueError if `model` contains `nnx.BatchNorm` (not allowed in private training)."""
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm):
+            where = "/".join(str(p) for p in path) or "the model itself"
+            raise ValueError(
+                f"the model contains nnx.BatchNorm at {where}: per-example gradients (vmap) would "
+                "silently turn it into per-example normalisation, and batch statistics mix "
+                "examples. Use GroupNorm or LayerNorm for private training."
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Data and state.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IndexedData:
+    """A data set seen only through `gather(indices) -> dict of numpy arrays`.
+
+    `gather` takes a 1-D index vector in which -1 marks padding and returns zero-filled rows there
+    (`dpmix_jax.data.Source.gather` has this contract). `user_ids` (one per example) is needed
+    for user-level runs.
+    """
+
+    gather: Gather
+    num_examples: int
+    user_ids: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_examples, int | np.integer) or self.num_examples < 1:
+            raise ValueError(f"num_examples must be an integer >= 1, got {self.num_examples!r}.")
+        if self.user_ids is not None and np.shape(self.user_ids) != (self.num_examples,):
+            raise ValueError(
+                f"user_ids must have shape ({self.num_examples},), got {np.shape(self.user_ids)}."
+            )
+
+    @functools.cached_property
+    def users(self) -> list[np.ndarray]:
+        """Example indices of each user (`privacy.sampling.group_by_user`)."""
+        if self.user_ids is None:
+            raise ValueError("user-level sampling needs IndexedData.user_ids.")
+        return group_by_user(self.user_ids)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """What a step changes: the step count, the trainable parameters and the optimizer state.
+
+    For private runs `opt_state` holds the secret noise key: a checkpoint of it is sensitive.
+    """
+
+    step: jax.Array
+    params: dict[str, jax.Array]
+    opt_state: PyTree
+
+
+def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
+    extra = -rows.shape[0] % multiple
+    if not extra:
+        return rows
+    pad = np.full((extra, *rows.shape[1:]), PADDING_INDEX, dtype=rows.dtype)
+    return np.concatenate([rows, pad])
+
+
+class Trainer:
+    """Jitted public or private steps for one model, loss and config.
+
+    Args:
+        config: the run's `TrainConfig`.
+        model: the NNX model (its current parameters are the starting point).
+        loss_fn: `loss_fn(model, batch) -> (B,)` per-row losses (see `train.losses`).
+        trainable_mask: bool pytree over the `nnx.Param` state; frozen parameters get no gradient,
+            no noise and no update. None trains everything.
+        num_units: private runs: the number of sensitive examples (or users), for the sampling
+            rate q = b / n.
+        noise_key: private runs: the secret key of the Gaussian noise.
+        mesh: optional `parallel.make_mesh(...)` mesh: parameters are placed with the FSDP rule,
+            batch rows over the "data" axis, and the per-example vmap gets
+            `spmd_axis_name="data"`.
+        fsdp_min_size: with a mesh, parameters of at least this many elements are sharded over
+            the "model" axis (`MeshConfig.fsdp_min_size`).
+
+    Privacy: a private Trainer's steps read sensitive examples only through clipped, noised sums;
+    the noise key must never be logged.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        model: nnx.Module,
+        loss_fn: LossFn,
+        *,
+        trainable_mask: PyTree | None = None,
+        num_units: int | None = None,
+        noise_key: jax.Array | None = None,
+        mesh: jax.sharding.Mesh | None = None,
+        fsdp_min_size: int = parallel.MeshConfig().fsdp_min_size,
+    ):
+        self.config = config
+        self.loss_fn = loss_fn
+        self.mesh = mesh
+        self._min_shard = fsdp_min_size
+        self.split, params, frozen, rest = split_model(model, trainable_mask)
+        self.frozen, self.rest = self._place(frozen), self._place(rest)
+        self._initial_params = self._place(params)
+        self.plan: DpSgdPlan | None = None
+        if config.private:
+            check_no_batchnorm(model)
+            if num_units is None or noise_key is None:
+                raise ValueError("a private Trainer needs num_units and noise_key.")
+            self.plan = plan_dp_sgd(config.dp_sgd_config(), num_units=int(num_units))
+            self.optimizer = private_optimizer(
+                make_optimizer(config),
+                noise_multiplier=self.plan.noise_multiplier,
+                sensitivity=self._grad_sum(self.frozen, self.rest).sensitivity(),
+                expected_batch_size=self.plan.expected_batch_size,
+                key=noise_key,
+            )
+            self.sampler = self.plan.sampler()
+            rows = config.chunk_size or config.pad_multiple
+            if mesh is not None and rows % mesh.shape[parallel.DATA_AXIS]:
+                raise ValueError(
+                    f"chunks of {rows} units do not split over {mesh.shape[parallel.DATA_AXIS]} "
+                    "data-parallel devices; choose chunk_size/pad_multiple as a multiple."
+                )
+        else:
+            self.optimizer = make_optimizer(config)
+        self._chunk_fn = jax.jit(self._chunk_sum)
+        self._apply_fn = jax.jit(self._apply)
+        self._public_fn = jax.jit(self._public_step)
+
+    # ---------------------------------------------------------------- placement and state
+    def _place(self, tree: PyTree) -> PyTree:
+        if self.mesh is None:
+            return tree
+        return parallel.shard_tree(tree, self.mesh, min_size=self._min_shard)
+
+    def _place_batch(self, batch: Batch) -> Batch:
+        if self.mesh is None:
+            return jax.tree.map(jnp.asarray, batch)
+        return parallel.shard_batch(batch, self.mesh)
+
+    def init_state(self) -> TrainState:
+        """The state at step 0 (parameters from the model given at construction)."""
+        params = self._initial_params
+        state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+        return self._place(state)
+
+    def model(self, state: TrainState) -> nnx.Module:
+        """The NNX model with the state's trainable parameters (frozen ones unchanged)."""
+        return self.split.merge(state.params, self.frozen, self.rest)
+
+    # ---------------------------------------------------------------- pure jitted pieces
+    def _grad_sum(self, frozen: PyTree, rest: PyTree) -> ClippedGradSum:
+        config = self.config
+        spmd = parallel.DATA_AXIS if self.mesh is not None else None
+
+        def example_loss(params, example):
+            return self.loss_fn(self.split.merge(params, frozen, rest), example)[0]
+
+        if config.level == "user":
+            unit_loss = lambda p, ex: example_loss(p, jax.tree.map(lambda x: x[None], ex))
+            return user_clipped_grad_sum(
+                unit_loss,
+                clip_norm=config.clip_norm,
+                microbatch_size=config.microbatch_size,
+                spmd_axis_name=spmd,
+            )
+        return clipped_grad_sum(
+            example_loss,
+            clip_norm=config.clip_norm,
+            microbatch_size=config.microbatch_size,
+            keep_batch_dim=True,
+            spmd_axis_name=spmd,
+        )
+
+    def _chunk_sum(self, params, frozen, rest, acc, batch, mask):
+        total, _ = self._grad_sum(frozen, rest)(params, batch, mask)
+        return optax.tree.add(acc, total)
+
+    def _apply(self, state: TrainState, gradient: PyTree) -> TrainState:
+        updates, opt_state = self.optimizer.update(gradient, state.opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+
+    def _public_step(self, state, frozen, rest, batch):
+        def mean_loss(params):
+            return jnp.mean(self.loss_fn(self.split.merge(params, frozen, rest), batch))
+
+        loss, grads = jax.value_and_grad(mean_loss)(state.params)
+        return self._apply(state, grads), loss
+
+    # ---------------------------------------------------------------- host-side steps
+    def clipped_sum(
+        self, params: dict[str, jax.Array], gather: Gather, indices: np.ndarray, mask: np.ndarray
+    ) -> dict[str, jax.Array]:
+        """Σ of clipped unit gradients over a padded index batch, accumulated chunk by chunk.
+
+        Args:
+            params: trainable parameters.
+            gather: reads examples (-1 rows come back zero-filled).
+            indices: (B,) example indices, or (U, G) per-user example indices, -1 for padding.
+            mask: bool, same shape as `indices`.
+
+        Privacy: the sum has sensitivity `clip_norm` per unit; it is *not* private until noised.
+        """
+        rows = self.config.chunk_size or indices.shape[0]
+        if self.mesh is not None:
+            rows = math.lcm(rows, self.mesh.shape[parallel.DATA_AXIS])
+        indices, mask = _pad_rows(indices, rows), _pad_rows(mask.astype(np.int8), rows) == 1
+        acc = jax.tree.map(jnp.zeros_like, params)
+        for start in range(0, indices.shape[0], rows):
+            chunk = indices[start : start + rows]
+            chunk_mask = mask[start : start + rows]
+            if self.mesh is not None:
+                chunk = parallel.process_rows(chunk, self.mesh)
+                chunk_mask = parallel.process_rows(chunk_mask, self.mesh)
+            batch = gather(chunk.reshape(-1))
+            batch = jax.tree.map(lambda x, c=chunk: x.reshape(*c.shape, *x.shape[1:]), batch)
+            batch, chunk_mask = self._place_batch((batch, chunk_mask))
+            acc = self._chunk_fn(params, self.frozen, self.rest, acc, batch, chunk_mask)
+        return acc
+
+    def private_step(
+        self, state: TrainState, data: IndexedData, rng: np.random.Generator
+    ) -> TrainState:
+        """One DP-SGD step: Poisson batch, clipped sum (in chunks), one noise draw, update.
+
+        Privacy: one execution of the plan's `step_event()`; the caller records it in the ledger
+        (`fit` does).
+        """
+        if self.config.level == "user":
+            batch = self.sampler.sample(rng, data.users)
+        else:
+            batch = self.sampler.sample(rng, data.num_examples)
+        total = self.clipped_sum(state.params, data.gather, batch.indices, batch.mask)
+        return self._apply_fn(state, total)
+
+    def public_step(
+        self, state: TrainState, data: IndexedData | BatchFn, rng: np.random.Generator
+    ) -> tuple[TrainState, jax.Array]:
+        """One ordinary step on the mean loss of a public batch; returns the new state and loss.
+
+        `data` is an `IndexedData` (a uniform batch of `batch_size` distinct rows per step) or a
+        callable `rng -> batch` (e.g. `pretrain.PackedMixture.batch`).
+        """
+        if isinstance(data, IndexedData):
+            size = min(self.config.batch_size, data.num_examples)
+            indices = rng.choice(data.num_examples, size, replace=False)
+            if self.mesh is not None:
+                indices = parallel.process_rows(indices, self.mesh)
+            batch = data.gather(indices)
+        else:
+            batch = data(rng)
+        batch = self._place_batch(batch)
+        return self._public_fn(state, self.frozen, self.rest, batch)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop.
+# --------------------------------------------------------------------------------------------
+
+
+class MetricLogger:
+    """Writes metric dicts as JSON lines to `path` (and to TensorBoard when `tensorboardX` is
+    installed and `tensorboard_dir` is given); keeps them in `history`.
+
+    Never log the noise key or per-example values of sensitive data.
+    """
+
+    def __init__(
+        self, path: str | pathlib.Path | None = None, *, tensorboard_dir: str | None = None
+    ):
+        self.path = None if path is None else pathlib.Path(path)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.history: list[dict[str, Any]] = []
+        self._writer = None
+        if tensorboard_dir is not None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                SummaryWriter = None  # noqa: N806
+            self._writer = SummaryWriter and SummaryWriter(tensorboard_dir)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        self.history.append(record)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                self._writer.add_scalar(key, float(value), int(step))
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    """The outcome of `fit`: final state, the merged model, the ledger (private runs) and the rng
+    (continue sampling from it)."""
+
+    state: TrainState
+    model: nnx.Module
+    ledger: accounting.PrivacyLedger | None
+    rng: np.random.Generator
+
+
+def fit(
+    trainer: Trainer,
+    data: IndexedData | BatchFn,
+    *,
+    rng: np.random.Generator,
+    state: TrainState | None = None,
+    ledger: accounting.PrivacyLedger | None = None,
+    checkpointer: Any | None = None,
+    evaluate: Callable[[nnx.Module], Mapping[str, float]] | None = None,
+    logger: MetricLogger | None = None,
+    until: int | None = None,
+) -> FitResult:
+    """Runs `trainer` from `state` (or step 0, or the checkpointer's latest step) to `until`.
+
+    Args:
+        trainer: the `Trainer`.
+        data: `IndexedData` (private runs need it), or for public runs a callable `rng -> batch`.
+        rng: numpy Generator of the batch sampler (its state is checkpointed).
+        state: the starting state (default: `trainer.init_state()`).
+        ledger: the privacy ledger to record private steps in (default: a fresh one).
+        checkpointer: a `checkpoint.Checkpointer`; when it holds a checkpoint the run resumes from
+            its latest step (state, sampler state and ledger), and it saves every
+            `checkpoint_every` steps and at the end.
+        evaluate: `model -> metrics`, run every `eval_every` steps and logged.
+        logger: where metrics go (default: an in-memory `MetricLogger`).
+        until: stop after this step (default: `config.steps`), e.g. to split a run over
+            time-limited jobs; resuming continues exactly as an uninterrupted run.
+
+    Returns:
+        A `FitResult`. For private runs `ledger.epsilon(delta)` is the ε of the steps executed.
+
+    Privacy: private runs read `data` only through accounted DP-SGD steps; each executed step is
+    recorded once (a resumed run restores the ledger, never re-records). Logged values are the
+    step, ε and, for public runs, the training loss; `evaluate` must use non-sensitive data or be
+    accounted by the caller.
+    """
+    config = trainer.config
+    if config.private:
+        if not isinstance(data, IndexedData):
+            raise ValueError("private training reads data through IndexedData (Poisson sampling).")
+        ledger = accounting.PrivacyLedger() if ledger is None else ledger
+    logger = MetricLogger() if logger is None else logger
+    state = trainer.init_state() if state is None else state
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        state, rng, restored = checkpointer.restore(state)
+        ledger = restored if config.private else ledger
+    until = config.steps if until is None else min(until, config.steps)
+    start = int(state.step)
+    bar = tqdm.trange(start, until, initial=start, total=until, disable=not config.progress)
+    for step in bar:
+        if config.private:
+            state = trainer.private_step(state, data, rng)
+            ledger.record(trainer.plan.step_event())
+            metrics = {}
+        else:
+            state, loss = trainer.public_step(state, data, rng)
+            metrics = {"train_loss": loss}
+        done = step + 1
+        if config.log_every and (done % config.log_every == 0 or done == until):
+            if config.private:
+                metrics["epsilon"] = ledger.epsilon(config.delta, config.accountant)
+            logger.log(done, metrics)
+            bar.set_postfix({k: f"{float(v):.4g}" for k, v in metrics.items()})
+        if evaluate is not None and config.eval_every and done % config.eval_every == 0:
+            logger.log(done, {f"eval/{k}": v for k, v in evaluate(trainer.model(state)).items()})
+        if checkpointer is not None and (
+            done == until or (config.checkpoint_every and done % config.checkpoint_every == 0)
+        ):
+            checkpointer.save(done, state, rng=rng, ledger=ledger)
+    return FitResult(state, trainer.model(state), ledger, rng)
