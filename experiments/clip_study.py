@@ -1,0 +1,168 @@
+"""Clipping bias of DP-MixMin and the per-example gradient shift: excess loss vs clip norm.
+
+On the synthetic exact-mixture problem of `experiments.k_scaling` (k = 8, n = 20,000), DP-MixMin
+(mirror descent) runs for each clip norm C and each shift ("none", "mean", "weighted"), once
+without noise (σ = 0: pure clipping bias) and once at ε = 1, δ = 1e-5. The step size is η0 / C,
+so that a step moves the logits by at most about η0 whatever C is. Reported: the excess MixMin
+loss over non-private MixMin (mean over seeds), that of uniform weights, and the fraction of
+examples clipped at the non-private optimum. Writes `clip_study.md` and `clip_study.png`.
+
+    python -m experiments.clip_study --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import jax  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dpmix_jax import mixing  # noqa: E402
+from dpmix_jax.mixing import objectives, solvers  # noqa: E402
+from dpmix_jax.privacy import accounting  # noqa: E402
+from experiments.k_scaling import mixture_problem  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClipStudyConfig:
+    """Settings of the clip study (see the module docstring)."""
+
+    clip_norms: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
+    shifts: tuple[str, ...] = solvers.SHIFTS
+    seeds: tuple[int, ...] = (0, 1)
+    num_sources: int = 8
+    num_examples: int = 20_000
+    epsilon: float = 1.0
+    delta: float = 1e-5
+    steps: int = 300
+    batch_size: int = 1000
+    step_scale: float = 2.0
+
+    def __post_init__(self) -> None:
+        for c in self.clip_norms:
+            accounting.check_positive(c, "clip_norm")
+        if not set(self.shifts) <= set(solvers.SHIFTS) or not self.shifts:
+            raise ValueError(f"shifts must be a non-empty subset of {solvers.SHIFTS}.")
+        accounting.check_epsilon(self.epsilon)
+        accounting.check_delta(self.delta)
+        accounting.check_steps(self.steps)
+        accounting.check_positive(self.step_scale, "step_scale")
+
+
+def clipped_fraction(preds: np.ndarray, weights: np.ndarray, shift: str, clip_norm: float) -> float:
+    """Fraction of examples whose shifted gradient at `weights` has norm above `clip_norm`."""
+    examples = objectives.prepare_examples(preds)
+    grad = jax.vmap(jax.grad(solvers.shifted_example_loss("nll", shift)), in_axes=(None, 0))
+    norms = np.linalg.norm(np.asarray(grad(weights, examples)), axis=1)
+    return float(np.mean(norms > clip_norm))
+
+
+def main(config: ClipStudyConfig, out: pathlib.Path | None = None) -> dict:
+    """Runs the study; returns the mean excess per (noise, shift, C) and writes the table/plot."""
+    q = config.batch_size / config.num_examples
+    sigma = accounting.calibrate_noise_multiplier(
+        target_epsilon=config.epsilon, delta=config.delta, sampling_rate=q, steps=config.steps
+    )
+    settings = {"σ = 0": 0.0, f"ε = {config.epsilon}": sigma}
+    excess = {(noise, shift): [] for noise in settings for shift in config.shifts}
+    clipped = {shift: [] for shift in config.shifts}
+    uniform = []
+    for seed in config.seeds:
+        preds, _ = mixture_problem(
+            num_examples=config.num_examples, num_sources=config.num_sources, seed=seed
+        )
+        reference = np.asarray(mixing.mixmin(preds, steps=2000, learning_rate=2.0))
+        uniform.append(
+            mixing.excess_loss(
+                np.full(config.num_sources, 1 / config.num_sources), reference, preds
+            )
+        )
+        for shift in config.shifts:
+            clipped[shift].append(
+                [clipped_fraction(preds, reference, shift, c) for c in config.clip_norms]
+            )
+            for noise, sig in settings.items():
+                row = []
+                for c in config.clip_norms:
+                    result = mixing.dp_mixmin(
+                        preds,
+                        noise_multiplier=sig,
+                        delta=config.delta,
+                        steps=config.steps,
+                        batch_size=config.batch_size,
+                        clip_norm=c,
+                        learning_rate=config.step_scale / c,
+                        seed=seed,
+                        shift=shift,
+                    )
+                    row.append(mixing.excess_loss(result.weights, reference, preds))
+                excess[noise, shift].append(row)
+                print(
+                    f"seed {seed} {shift:8s} {noise}: " + " ".join(f"{e:.1e}" for e in row),
+                    flush=True,
+                )
+    means = {key: np.mean(v, axis=0) for key, v in excess.items()}
+    clipped_means = {s: np.mean(v, axis=0) for s, v in clipped.items()}
+    table = markdown(config, means, clipped_means, float(np.mean(uniform)), sigma)
+    print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "clip_study.md").write_text(table + "\n")
+        plot(out / "clip_study.png", config, means, float(np.mean(uniform)))
+    return {
+        "excess": {f"{n}/{s}": m.tolist() for (n, s), m in means.items()},
+        "uniform_excess": float(np.mean(uniform)),
+        "noise_multiplier": sigma,
+    }
+
+
+def markdown(config, means, clipped_means, uniform: float, sigma: float) -> str:
+    """Excess loss per (noise, shift) against C, plus clipped fractions at the optimum."""
+    head = "| setting | " + " | ".join(f"C={c:g}" for c in config.clip_norms) + " |"
+    lines = [head, "|---" * (len(config.clip_norms) + 1) + "|"]
+    for (noise, shift), row in means.items():
+        lines.append(f"| {noise}, shift={shift} | " + " | ".join(f"{e:.1e}" for e in row) + " |")
+    for shift, row in clipped_means.items():
+        lines.append(
+            f"| clipped at λ_opt, shift={shift} | " + " | ".join(f"{f:.0%}" for f in row) + " |"
+        )
+    lines.append(
+        f"\nuniform weights: excess {uniform:.1e}; ε = {config.epsilon} uses σ = {sigma:.3f};"
+        f" k = {config.num_sources}, n = {config.num_examples}, T = {config.steps},"
+        f" b = {config.batch_size}, η = {config.step_scale}/C"
+    )
+    return "\n".join(lines)
+
+
+def plot(path: pathlib.Path, config, means, uniform: float) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for (noise, shift), row in means.items():
+        ax.plot(
+            config.clip_norms,
+            row,
+            marker="o",
+            linestyle="-" if "σ" in noise else "--",
+            label=f"{noise}, shift={shift}",
+        )
+    ax.axhline(uniform, color="gray", linestyle=":", label="uniform weights")
+    ax.set(xscale="log", yscale="log", xlabel="clip norm C", ylabel="excess MixMin loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    main(ClipStudyConfig(), parser.parse_args().out)
+
+
+if __name__ == "__main__":
+    cli()
