@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import json
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -140,8 +142,19 @@ def epsilon(
     analysis and raises `dp_accounting.UnsupportedEventError`.
     """
     delta = check_delta(delta)
-    acc = make_accountant(accountant, neighboring_relation)
-    acc.compose(event)
+    make_accountant(accountant)  # validates the name
+    key = json.dumps(event_to_dict(event), sort_keys=True)
+    return _cached_epsilon(key, delta, accountant, neighboring_relation)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_epsilon(
+    event_json: str, delta: float, accountant: Accountant, relation: NeighboringRelation
+) -> float:
+    # Accounting is a pure function of the event; PLD composition costs up to seconds, and the same
+    # events recur (every seed of an experiment, every ledger report of a run).
+    acc = make_accountant(accountant, relation)
+    acc.compose(event_from_dict(json.loads(event_json)))
     return float(acc.get_epsilon(delta))
 
 
@@ -162,8 +175,20 @@ def calibrate_noise_multiplier(
     delta = check_delta(delta)
     q = check_sampling_rate(sampling_rate)
     steps = check_steps(steps)
+    return _cached_dpsgd_calibration(target_epsilon, delta, q, steps, accountant, tolerance)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_dpsgd_calibration(
+    target_epsilon: float,
+    delta: float,
+    sampling_rate: float,
+    steps: int,
+    accountant: Accountant,
+    tolerance: float,
+) -> float:
     return calibrate(
-        lambda sigma: dpsgd_event(noise_multiplier=sigma, sampling_rate=q, steps=steps),
+        lambda sigma: dpsgd_event(noise_multiplier=sigma, sampling_rate=sampling_rate, steps=steps),
         target_epsilon=target_epsilon,
         delta=delta,
         accountant=accountant,

@@ -1,0 +1,452 @@
+"""DP-MixMin end to end for shared-input sources (the chest X-ray setting).
+
+One pool of public images carries k label functions (CheXpert's or MIMIC-CXR's 14 observations;
+the embedded digits default's 12 rules); the sensitive task is a binary label on other images
+(an NIH finding). Stages, each stored so that a rerun skips it:
+
+1. split the sensitive train split into disjoint D_mix (fraction ρ) and D_ft;
+2. train the multi-head proxy (one network, k sigmoid heads) on the public pool;
+3. cache the `nll` proxy outputs P[j, i] = p_i(y_j | x_j) on D_mix;
+4. learn λ with `mixing.dp_mixmin` at (ε, δ) on D_mix;
+5. pretrain the downstream model on the public pool with the soft target Σ_i λ_i y_i (BCE);
+6. DP-fine-tune it on D_ft at (ε, δ);
+7. evaluate AUC on the test split.
+The end-to-end budget is the parallel composition of stages 4 and 6 (disjoint data). With
+`composition="sequential"` nothing is split: both stages read the whole train split, at
+ε_mix = share·ε and ε_ft = (1 - share)·ε, and the budgets add up.
+
+Each downstream task is its own private run with its own budget, as in the paper's per-task
+experiments; releasing several tasks' models trained on the same patients composes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dpmix_jax.data.sources import Source
+from dpmix_jax.mixing import dp_mixmin, mixmin
+from dpmix_jax.models.mlp import MLP, MLPConfig
+from dpmix_jax.models.resnet import ResNet, ResNetConfig
+from dpmix_jax.pipeline import common
+from dpmix_jax.privacy import accounting
+from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
+from dpmix_jax.train.proxies import nll_matrix
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Which network to build: an MLP (CPU presets) or a GroupNorm ResNet.
+
+    Attributes:
+        kind: "mlp" or "resnet".
+        mlp_hidden: hidden widths of the MLP.
+        resnet: the ResNet's config (its `in_channels` is set from the data).
+    """
+
+    kind: str = "mlp"
+    mlp_hidden: tuple[int, ...] = (128, 64)
+    resnet: ResNetConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mlp", "resnet"):
+            raise ValueError(f"kind must be 'mlp' or 'resnet', got {self.kind!r}.")
+        if self.kind == "resnet" and self.resnet is None:
+            raise ValueError("a resnet ModelSpec needs a ResNetConfig.")
+
+    def build(self, image_shape: tuple[int, ...], num_outputs: int, *, seed: int) -> nnx.Module:
+        """A fresh model for (H, W, C) images with `num_outputs` logits, initialised from `seed`."""
+        rngs = nnx.Rngs(seed)
+        if self.kind == "mlp":
+            config = MLPConfig(in_features=int(np.prod(image_shape)), hidden=self.mlp_hidden)
+            return MLP(config, num_outputs, rngs=rngs)
+        config = dataclasses.replace(self.resnet, in_channels=int(image_shape[-1]))
+        return ResNet(config, num_outputs, rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SharedInputTask:
+    """A public pool with k label sources and a sensitive binary task.
+
+    Attributes:
+        name: for reports.
+        public: source of {"image": (H, W, C), "labels": (k,)} public examples.
+        source_names: the k label sources.
+        train, val, test: sensitive splits, sources of {"image", "labels": (T,)}.
+        task_index: which of the T sensitive labels is the downstream task.
+        true_weights: the λ* that generated the sensitive labels, when known.
+    """
+
+    name: str
+    public: Source
+    source_names: tuple[str, ...]
+    train: Source
+    val: Source
+    test: Source
+    task_index: int = 0
+    true_weights: np.ndarray | None = None
+
+    @property
+    def k(self) -> int:
+        return len(self.source_names)
+
+    @functools.cached_property
+    def image_shape(self) -> tuple[int, ...]:
+        return tuple(self.public.gather(np.array([0]))["image"].shape[1:])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ImagePipelineConfig:
+    """Public settings of the shared-input pipeline.
+
+    Attributes:
+        delta: δ of each private stage.
+        mix_fraction: ρ, the fraction of the sensitive train split given to the mixture stage.
+        composition: "parallel" (disjoint D_mix, D_ft: max) or "sequential" (no split; sum).
+        sequential_mixture_share: with sequential composition, the mixture stage's share of ε.
+        model: the downstream network.
+        proxy_model: the proxy's network (k heads); None uses `model`'s architecture.
+        proxy: public training of the multi-head proxy.
+        mixture: the DP-MixMin stage.
+        pretrain: public pretraining on the λ-mixture target.
+        finetune: private fine-tuning; its `epsilon` and `delta` are replaced by each run's.
+        random_search_candidates: m, the Random Search baseline's number of Dirichlet(1) draws.
+        eval_batch_size: rows per evaluation batch.
+    """
+
+    delta: float = 1e-5
+    mix_fraction: float = 0.1
+    composition: common.Composition = "parallel"
+    sequential_mixture_share: float = 0.1
+    model: ModelSpec = ModelSpec()
+    proxy_model: ModelSpec | None = None
+    proxy: TrainConfig
+    mixture: common.MixtureConfig
+    pretrain: TrainConfig
+    finetune: TrainConfig
+    random_search_candidates: int = 4
+    eval_batch_size: int = 256
+
+    def __post_init__(self) -> None:
+        accounting.check_delta(self.delta)
+        if not 0 < self.mix_fraction < 1:
+            raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
+        common.stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
+        if self.proxy.private or self.pretrain.private:
+            raise ValueError("proxy and pretrain stages train on public data: private=False.")
+        if not self.finetune.private:
+            raise ValueError("the finetune stage must be private (private=True).")
+        if not isinstance(self.random_search_candidates, int) or self.random_search_candidates < 1:
+            raise ValueError("random_search_candidates must be an integer >= 1.")
+
+
+def _subset_gather(source: Source, rows: np.ndarray, task_index: int | None):
+    """`gather(indices)` over `source` restricted to `rows`, as model batches (-1 stays padding)."""
+
+    def gather(indices: np.ndarray) -> dict[str, np.ndarray]:
+        indices = np.asarray(indices)
+        picked = np.where(indices >= 0, rows[np.maximum(indices, 0)], -1)
+        example = source.gather(picked)
+        labels = example["labels"]
+        if task_index is not None:
+            labels = labels[:, task_index : task_index + 1]
+        return {"inputs": example["image"], "labels": labels}
+
+    return gather
+
+
+def _seed_key(seed: int, *names: str) -> jax.Array:
+    key = jax.random.key(seed)
+    for name in names:
+        key = jax.random.fold_in(key, int.from_bytes(name.encode()[:4].ljust(4, b"\0"), "little"))
+    return key
+
+
+class ImagePipeline:
+    """DP-MixMin and its baselines on one `SharedInputTask`, with stages stored under `root`.
+
+    Args:
+        task: the data.
+        config: public settings.
+        root: directory of the stage store (one sub-directory per seed).
+        on_stage: called with a stage name whenever a stage is computed (not when it is loaded);
+            for progress reports and tests.
+    """
+
+    def __init__(
+        self,
+        task: SharedInputTask,
+        config: ImagePipelineConfig,
+        root: str | pathlib.Path,
+        *,
+        on_stage: Callable[[str], None] | None = None,
+    ):
+        self.task = task
+        self.config = config
+        self.root = pathlib.Path(root)
+        self._on_stage = on_stage or (lambda name: None)
+
+    # ------------------------------------------------------------------ stages
+    def _store(self, seed: int) -> common.StageStore:
+        return common.StageStore(self.root / f"seed{seed}")
+
+    def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Disjoint (D_mix, D_ft) positions of the sensitive train split (patient-disjoint when the
+        source has group ids); with sequential composition both are the whole split."""
+        if self.config.composition == "sequential":
+            everything = np.arange(len(self.task.train))
+            return everything, everything
+
+        def compute():
+            self._on_stage("split")
+            mix, ft = common.split_mixture(
+                len(self.task.train),
+                self.config.mix_fraction,
+                seed=seed,
+                group_ids=self.task.train.group_ids,
+            )
+            return {"mix": mix, "ft": ft}
+
+        stored = self._store(seed).json("split", compute)
+        return np.asarray(stored["mix"], np.int64), np.asarray(stored["ft"], np.int64)
+
+    def _fit_public(self, name: str, seed: int, config: TrainConfig, model, loss) -> nnx.Module:
+        store = self._store(seed)
+        checkpointer = Checkpointer(store.path(name))
+        if checkpointer.latest_step() != config.steps:
+            self._on_stage(name)
+        data = IndexedData(
+            gather=_subset_gather(self.task.public, np.arange(len(self.task.public)), None),
+            num_examples=len(self.task.public),
+        )
+        trainer = Trainer(config, model, loss)
+        result = fit(trainer, data, rng=np.random.default_rng(seed), checkpointer=checkpointer)
+        checkpointer.close()
+        return result.model
+
+    def proxy_outputs(self, seed: int) -> np.ndarray:
+        """The `nll` matrix (|D_mix|, k) of the multi-head proxy on D_mix.
+
+        Privacy: computed from sensitive labels on D_mix; consumed only by the accounted mixture
+        stage (and by the non-private MixMin baseline, which is labelled as such).
+        """
+
+        def compute():
+            spec = self.config.proxy_model or self.config.model
+            model = spec.build(self.task.image_shape, self.task.k, seed=seed)
+            proxy = self._fit_public(
+                "proxy", seed, self.config.proxy, model, losses.sigmoid_bce(target_key="labels")
+            )
+            mix, _ = self.split(seed)
+            self._on_stage("proxy_outputs")
+            logits, labels = evaluate.model_outputs(
+                proxy,
+                lambda m, b: (m(b["inputs"]), b["labels"]),
+                _subset_gather(self.task.train, mix, self.task.task_index),
+                len(mix),
+                batch_size=self.config.eval_batch_size,
+            )
+            return {"nll": nll_matrix(logits, labels.reshape(-1).round().astype(int))}
+
+        name = f"proxy_outputs_{self.config.composition}"
+        return np.asarray(self._store(seed).json(name, compute)["nll"])
+
+    def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
+        """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports.
+
+        Privacy: reads D_mix only through `dp_mixmin` (Poisson-subsampled Gaussian, accounted).
+        """
+        mix_config = self.config.mixture
+
+        def compute():
+            self._on_stage("mixture")
+            result = dp_mixmin(
+                self.proxy_outputs(seed),
+                kind="nll",
+                epsilon=epsilon,
+                delta=self.config.delta,
+                steps=mix_config.steps,
+                batch_size=mix_config.batch_size,
+                clip_norm=mix_config.clip_norm,
+                learning_rate=mix_config.learning_rate,
+                seed=seed,
+                solver=mix_config.solver,
+                shift=mix_config.shift,
+                accountant=mix_config.accountant,
+            )
+            return {
+                "weights": result.weights,
+                "spent": common.budget_to_json(
+                    accounting.PrivacyBudget(result.epsilon, result.delta)
+                ),
+                "noise_multiplier": result.noise_multiplier,
+                "sampling_rate": result.sampling_rate,
+                "ledger": result.ledger.state_dict(),
+            }
+
+        name = f"mixture_{self.config.composition}_eps{epsilon:g}"
+        stored = self._store(seed).json(name, compute)
+        return np.asarray(stored["weights"]), common.budget_from_json(stored["spent"])
+
+    def nonprivate_weights(self, seed: int) -> np.ndarray:
+        """λ by exact MixMin on D_mix. NOT private: the upper-bound baseline only."""
+
+        def compute():
+            self._on_stage("nonprivate_mixture")
+            weights = mixmin(
+                self.proxy_outputs(seed), kind="nll", steps=self.config.mixture.nonprivate_steps
+            )
+            return {"weights": np.asarray(weights)}
+
+        return np.asarray(self._store(seed).json("mixture_nonprivate", compute)["weights"])
+
+    def pretrained(self, weights: np.ndarray | None, seed: int) -> nnx.Module:
+        """The downstream model pretrained on the public pool with target Σ λ_i y_i (or a fresh
+        initialisation for `weights=None`)."""
+        model = self.config.model.build(self.task.image_shape, 1, seed=seed)
+        if weights is None:
+            return model
+        name = f"pretrain_{common.weights_key(weights)}"
+        return self._fit_public(
+            name, seed, self.config.pretrain, model, losses.mixture_bce(weights)
+        )
+
+    def finetune(
+        self, init: nnx.Module, init_name: str, part: str, epsilon: float, seed: int
+    ) -> tuple[nnx.Module, accounting.PrivacyBudget]:
+        """DP fine-tuning from `init` on D_ft (`part="ft"`) or the whole train split (`"all"`).
+
+        Privacy: DP-SGD on the chosen part at (ε, δ); the returned budget is the ledger's for the
+        steps executed (restored, not re-spent, on resume).
+        """
+        mix, ft = self.split(seed)
+        rows = ft if part == "ft" else np.arange(len(self.task.train))
+        part = f"{part}_{self.config.composition}" if part == "ft" else part
+        config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
+        store = self._store(seed)
+        checkpointer = Checkpointer(store.path(f"finetune_{init_name}_{part}_eps{epsilon:g}"))
+        if checkpointer.latest_step() != config.steps:
+            self._on_stage("finetune")
+        trainer = Trainer(
+            config,
+            init,
+            losses.sigmoid_bce(target_key="labels"),
+            num_units=len(rows),
+            noise_key=_seed_key(seed, "finetune", init_name, part),
+        )
+        data = IndexedData(
+            gather=_subset_gather(self.task.train, rows, self.task.task_index),
+            num_examples=len(rows),
+        )
+        result = fit(trainer, data, rng=np.random.default_rng(seed), checkpointer=checkpointer)
+        checkpointer.close()
+        return result.model, result.ledger.budget(self.config.delta, config.accountant)
+
+    def auc(self, model: nnx.Module, split: str) -> float:
+        """Test (or validation) AUC of the downstream model. Evaluation only, not released."""
+        source = getattr(self.task, split)
+        report = evaluate.auc_report(
+            model,
+            _subset_gather(source, np.arange(len(source)), self.task.task_index),
+            len(source),
+            batch_size=self.config.eval_batch_size,
+        )
+        return report["macro_auc"]
+
+    # ------------------------------------------------------------------ methods
+    def run(self, method: common.Method, epsilon: float, seed: int) -> common.RunResult:
+        """One method at target ε (end to end) and one seed; stored, so a rerun is free."""
+        accounting.check_epsilon(epsilon)
+        if method not in common.METHODS:
+            raise ValueError(f"method must be one of {common.METHODS}, got {method!r}.")
+        name = f"run_{method}_{self.config.composition}_eps{epsilon:g}"
+        stored = self._store(seed).json(name, lambda: self._run(method, epsilon, seed).to_json())
+        return _result_from_json(stored, self.config.delta)
+
+    def _run(self, method: str, epsilon: float, seed: int) -> common.RunResult:
+        delta, composition = self.config.delta, self.config.composition
+        if method == "random_search":
+            return self._random_search(epsilon, seed)
+        if method == "dp_mixmin":
+            mix_epsilon, ft_epsilon = common.stage_epsilons(
+                epsilon, composition, self.config.sequential_mixture_share
+            )
+            weights, mix_budget = self.mixture(mix_epsilon, seed)
+            part = "ft"
+        else:
+            mix_budget, ft_epsilon = None, epsilon
+            part = "all"
+            weights = {
+                "uniform": np.full(self.task.k, 1.0 / self.task.k),
+                "random_init": None,
+                "nonprivate_mixmin": (
+                    self.nonprivate_weights(seed) if method == "nonprivate_mixmin" else None
+                ),
+            }[method]
+        init = self.pretrained(weights, seed)
+        model, ft_budget = self.finetune(init, common.weights_key(weights), part, ft_epsilon, seed)
+        stages = {"finetune": ft_budget}
+        if mix_budget is not None:
+            stages["mixture"] = mix_budget
+        return common.RunResult(
+            method=method,
+            epsilon=epsilon,
+            delta=delta,
+            seed=seed,
+            utility=self.auc(model, "test"),
+            weights=None if weights is None else [float(w) for w in weights],
+            spent=common.end_to_end_budget(stages, composition),
+            stages=stages,
+            composition=composition,
+            private=method != "nonprivate_mixmin",
+        )
+
+    def _random_search(self, epsilon: float, seed: int) -> common.RunResult:
+        candidates = common.dirichlet_candidates(
+            self.task.k, self.config.random_search_candidates, seed=seed
+        )
+        scored = []
+        for weights in candidates:
+            init = self.pretrained(weights, seed)
+            model, budget = self.finetune(init, common.weights_key(weights), "ft", epsilon, seed)
+            scored.append((self.auc(model, "val"), weights, model, budget))
+        val_auc, weights, model, _ = max(scored, key=lambda item: item[0])
+        # All m candidates were fine-tuned on the same D_ft: what ran is their sequential
+        # composition, and the selection on validation data is not accounted at all.
+        spent = accounting.compose_sequential(*(s[3] for s in scored))
+        return common.RunResult(
+            method="random_search",
+            epsilon=epsilon,
+            delta=self.config.delta,
+            seed=seed,
+            utility=self.auc(model, "test"),
+            weights=[float(w) for w in weights],
+            spent=spent,
+            stages={"finetune": spent},
+            composition=self.config.composition,
+            private=False,
+            extra={"validation_aucs": [s[0] for s in scored], "selected_validation_auc": val_auc},
+        )
+
+
+def _result_from_json(data: dict[str, Any], delta: float) -> common.RunResult:
+    return common.RunResult(
+        method=data["method"],
+        epsilon=data["epsilon"],
+        delta=data["delta"],
+        seed=data["seed"],
+        utility=data["utility"],
+        weights=data["weights"],
+        spent=accounting.PrivacyBudget(data["spent_epsilon"], data["spent_delta"]),
+        stages={k: accounting.PrivacyBudget(v, delta) for k, v in data["stage_epsilons"].items()},
+        composition=data["composition"],
+        private=data["private"],
+        extra=data["extra"],
+    )

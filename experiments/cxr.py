@@ -1,0 +1,107 @@
+"""NIH ChestX-ray14 experiments (shared by `nih_chexpert` and `nih_mimic`): one DP-MixMin
+comparison per finding, then macro AUC over the findings. See `experiments/configs/nih.py`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import numpy as np
+
+from dpmix_jax.data import cxr
+from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
+from dpmix_jax.pipeline.compare import summarize
+from experiments.configs.nih import CxrExperimentConfig, get_config
+
+
+def _require(path: pathlib.Path, what: str) -> None:
+    if not path.exists():
+        raise SystemExit(f"missing {what}: {path} does not exist (see experiments/configs/nih.py).")
+
+
+def real_tasks(
+    config: CxrExperimentConfig, nih_root: pathlib.Path, public_root: pathlib.Path
+) -> list[SharedInputTask]:
+    """One task per NIH finding, with CheXpert's or MIMIC-CXR's 14 observations as sources."""
+    _require(nih_root, "the NIH ChestX-ray14 folder (--nih-root)")
+    _require(public_root, f"the {config.public} folder (--public-root)")
+    size = (config.image_size, config.image_size)
+    nih = cxr.nih_official_splits(nih_root, image_size=size)
+    if config.public == "chexpert":
+        public = cxr.load_chexpert(public_root, split="train", views="frontal", image_size=size)
+    else:
+        public = cxr.load_mimic_cxr(public_root, split="train", views="frontal", image_size=size)
+    findings = config.tasks or cxr.NIH_LABELS
+    unknown = sorted(set(findings) - set(cxr.NIH_LABELS))
+    if unknown:
+        raise SystemExit(f"unknown NIH findings {unknown}; choose from {list(cxr.NIH_LABELS)}")
+    return [
+        SharedInputTask(
+            name=f"NIH {finding} <- {config.public}",
+            public=public,
+            source_names=tuple(public.label_names),
+            train=nih["train"],
+            val=nih["val"],
+            test=nih["test"],
+            task_index=cxr.NIH_LABELS.index(finding),
+        )
+        for finding in findings
+    ]
+
+
+def macro_table(per_task: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """Macro AUC per (method, ε): the mean over tasks of each task's mean over seeds."""
+    cells: dict[tuple[str, float], list[float]] = {}
+    for results in per_task.values():
+        for (method, eps), row in summarize(results).items():
+            cells.setdefault((method, eps), []).append(row["mean"])
+    return {
+        f"{m} eps={e:g}": {"macro_auc": float(np.mean(v)), "tasks": len(v)}
+        for (m, e), v in sorted(cells.items())
+    }
+
+
+def main(config: CxrExperimentConfig, out_dir: pathlib.Path, **roots: pathlib.Path) -> dict:
+    """Runs every task's comparison and writes `macro.json` and `macro.md` to `out_dir`."""
+    if config.public == "digits":
+        tasks = presets.digit_tasks(image_size=config.image_size, num_tasks=config.tasks)
+    else:
+        tasks = real_tasks(config, roots["nih_root"], roots["public_root"])
+    per_task = {}
+    for index, task in enumerate(tasks):
+        task_dir = out_dir / f"task{index}"
+        per_task[task.name] = run_comparison(
+            ImagePipeline(task, config.pipeline, task_dir / "stages"),
+            dataset=task.name,
+            metric="test AUC",
+            higher_is_better=True,
+            methods=config.methods,
+            epsilons=config.epsilons,
+            seeds=config.seeds,
+            out_dir=task_dir,
+            true_weights=task.true_weights,
+            source_names=task.source_names,
+        )
+    macro = macro_table(per_task)
+    (out_dir / "macro.json").write_text(json.dumps(macro, indent=1))
+    lines = ["| method, ε | macro AUC | tasks |", "|---|---|---|"]
+    lines += [f"| {k} | {v['macro_auc']:.4f} | {v['tasks']} |" for k, v in macro.items()]
+    (out_dir / "macro.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return macro
+
+
+def cli(public: str, argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=f"NIH ChestX-ray14 with {public} as public data")
+    parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(f"runs/nih_{public}"))
+    parser.add_argument("--nih-root", type=pathlib.Path, default=pathlib.Path("data/nih"))
+    parser.add_argument("--public-root", type=pathlib.Path, default=pathlib.Path(f"data/{public}"))
+    args = parser.parse_args(argv)
+    return main(
+        get_config(public, args.preset),
+        args.out,
+        nih_root=args.nih_root,
+        public_root=args.public_root,
+    )
