@@ -1,0 +1,41 @@
+"""Hot PATE: private aggregation of teacher distributions with coordinated sampling.
+
+Modules: `samplers` (coordinated / independent vote histograms), `aggregators` (TARGMAX, TWS and
+their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent RDP), `metrics`
+(coverage, support, yield, margins), `generation` (private decoding), `teachers` (in-context GPT-2
+teachers; imported on demand since it loads the model code).
+"""
+
+from dpmix_jax.pate import accounting, aggregators, generation, metrics, samplers
+from dpmix_jax.pate.aggregators import (
+    FAIL,
+    confident_gnmax,
+    dpargmax_laplace,
+    dpws,
+    targmax,
+    tws,
+    tws_probabilities,
+)
+from dpmix_jax.pate.generation import GenerationConfig, GenerationResult, Teachers, generate
+from dpmix_jax.pate.samplers import coordinated_histograms, independent_histograms
+
+__all__ = [
+    "FAIL",
+    "GenerationConfig",
+    "GenerationResult",
+    "Teachers",
+    "accounting",
+    "aggregators",
+    "confident_gnmax",
+    "coordinated_histograms",
+    "dpargmax_laplace",
+    "dpws",
+    "generate",
+    "generation",
+    "independent_histograms",
+    "metrics",
+    "samplers",
+    "targmax",
+    "tws",
+    "tws_probabilities",
+]

@@ -1,0 +1,171 @@
+"""Aggregators of one vote histogram `(V,)` into a token id or `FAIL` (-1).
+
+Thresholded (T-threshold private: they only ever output a token with at least T votes, a proxy for
+privacy, not DP): `targmax`, `tws`. Differentially private, under the vote-move neighbouring
+relation (one teacher's vote moves from one token to another; L1 = 2, L∞ = 1, n fixed):
+`dpargmax_laplace`, `confident_gnmax`, `dpws`. In every DP mechanism ⊥ is decided after the noise,
+so it is an output of the mechanism.
+
+All functions are pure and jittable on one histogram; `jax.vmap` them over many. Their exact
+output distributions are checked by enumeration in the tests.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> int(targmax(jnp.array([1, 5, 2]), 4)), int(targmax(jnp.array([1, 3, 4]), 5))
+    (1, -1)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "FAIL",
+    "confident_gnmax",
+    "dpargmax_laplace",
+    "dpws",
+    "dpws_threshold",
+    "targmax",
+    "tws",
+    "tws_probabilities",
+]
+
+FAIL = -1
+
+
+def _counts(counts: jax.Array) -> jax.Array:
+    if getattr(counts, "ndim", None) != 1:
+        raise ValueError(
+            f"counts must be one histogram of shape (V,), got {getattr(counts, 'shape', None)}."
+        )
+    return jnp.asarray(counts)
+
+
+def targmax(counts: jax.Array, threshold: float) -> jax.Array:
+    """TARGMAX_T: the most voted token (smallest id on ties) if it has >= T votes, else FAIL.
+
+    Privacy:
+        Not DP: T-threshold private only (outputs only tokens with >= T votes).
+    """
+    counts = _counts(counts)
+    top = jnp.argmax(counts)
+    return jnp.where(counts[top] >= threshold, top, FAIL).astype(jnp.int32)
+
+
+def tws_probabilities(counts: jax.Array, threshold: float, gamma: float) -> jax.Array:
+    """The output distribution of TWS_{T,γ}: `(V + 1,)`, last entry = Pr[FAIL].
+
+    P[j] = c_j·1{c_j >= T} / max(M_T, n/γ) with M_T = Σ_{c_j >= T} c_j and n = Σ c; the rest is ⊥.
+
+    Privacy:
+        Not DP: T-threshold private only.
+    """
+    counts = _counts(counts).astype(jnp.float32)
+    passing = jnp.where(counts >= threshold, counts, 0.0)
+    denom = jnp.maximum(jnp.sum(passing), jnp.sum(counts) / gamma)
+    probs = passing / denom
+    return jnp.append(probs, 1.0 - jnp.sum(probs))
+
+
+def tws(key: jax.Array, counts: jax.Array, threshold: float, gamma: float) -> jax.Array:
+    """TWS_{T,γ}: thresholded weighted sampling (distribution in `tws_probabilities`).
+
+    With probability min(1, γ·M_T/n) output a token j with c_j >= T drawn ∝ c_j, else FAIL.
+
+    Privacy:
+        Not DP: T-threshold private only (a DP version is `dpws`).
+    """
+    counts = _counts(counts)
+    return _weighted_sample(key, jnp.where(counts >= threshold, counts, 0), jnp.sum(counts) / gamma)
+
+
+def _weighted_sample(key: jax.Array, weights: jax.Array, floor: jax.Array) -> jax.Array:
+    """Token j with probability w_j / max(Σw, floor), else FAIL."""
+    weights = weights.astype(jnp.float32)
+    cdf = jnp.cumsum(weights)
+    total = cdf[-1]
+    u = jax.random.uniform(key, (), jnp.float32) * jnp.maximum(total, floor)
+    token = jnp.minimum(jnp.searchsorted(cdf, u, side="right"), weights.shape[0] - 1)
+    return jnp.where(u < total, token, FAIL).astype(jnp.int32)
+
+
+def dpargmax_laplace(
+    key: jax.Array, counts: jax.Array, threshold: float, epsilon: float
+) -> jax.Array:
+    """DPARGMAX (Laplace): ĉ = c + Lap(2/ε)^V; output argmax ĉ if its noisy count >= T, else FAIL.
+
+    Guarantee: ε-DP (pure) per call under the vote-move relation: the noisy vector is the Laplace
+    mechanism with L1 sensitivity 2 and scale 2/ε, and the output is a function of it. Choose
+    T >= n/2 + (2/ε)·ln(V/η) for zero-vote tokens to pass with probability <= η.
+
+    Privacy:
+        Reads the (sensitive) histogram; its output is ε-DP as stated above. `key` must be secret
+        and fresh per call.
+    """
+    counts = _counts(counts)
+    noisy = counts + (2.0 / epsilon) * jax.random.laplace(key, counts.shape, jnp.float32)
+    top = jnp.argmax(noisy)
+    return jnp.where(noisy[top] >= threshold, top, FAIL).astype(jnp.int32)
+
+
+def confident_gnmax(
+    key: jax.Array, counts: jax.Array, threshold: float, sigma1: float, sigma2: float
+) -> jax.Array:
+    """Confident-GNMax (Papernot et al. 2018): noisy threshold check, then Gaussian noisy argmax.
+
+    If max_j c_j + N(0, σ1²) >= T output argmax_j (c_j + N(0, σ2²)), else FAIL.
+
+    Guarantee: under the vote-move relation max_j c_j has sensitivity 1 and c has L2 sensitivity
+    √2, so the call is the composition of a Gaussian mechanism with noise multiplier σ1 and one
+    with σ2/√2: RDP(λ) = λ/(2σ1²) + λ/σ2² (see `pate.accounting.confident_gnmax_event`).
+
+    Privacy:
+        Reads the (sensitive) histogram; output DP as stated above. `key` must be secret and fresh.
+    """
+    counts = _counts(counts)
+    key_check, key_argmax = jax.random.split(key)
+    counts = counts.astype(jnp.float32)
+    passed = jnp.max(counts) + sigma1 * jax.random.normal(key_check, (), jnp.float32) >= threshold
+    top = jnp.argmax(counts + sigma2 * jax.random.normal(key_argmax, counts.shape, jnp.float32))
+    return jnp.where(passed, top, FAIL).astype(jnp.int32)
+
+
+def dpws_threshold(epsilon: float, delta: float) -> float:
+    """DPWS's keep threshold 1 + (2/ε)·ln(1/δ): a token with one vote passes w.p. <= δ/2."""
+    if not epsilon > 0 or not 0 < delta < 1:
+        raise ValueError(f"need epsilon > 0 and 0 < delta < 1, got {epsilon!r}, {delta!r}.")
+    return 1.0 + (2.0 / epsilon) * math.log(1.0 / delta)
+
+
+def dpws(
+    key: jax.Array,
+    counts: jax.Array,
+    epsilon: float,
+    delta: float,
+    gamma: float,
+    *,
+    threshold: float = 0.0,
+) -> jax.Array:
+    """DPWS: noisy counts on the support, stability threshold, then TWS on the noisy counts.
+
+    ĉ_j = c_j + Lap(2/ε) for c_j > 0 (zero-vote tokens are never considered); keep
+    K = {j : ĉ_j >= max(1 + (2/ε)·ln(1/δ), threshold)}; output j ∈ K with probability
+    ĉ_j / max(Σ_K ĉ, n/γ), else FAIL.
+
+    Guarantee: (ε, δ)-DP per call under the vote-move relation. Tokens in both supports: Laplace
+    with scale 2/ε on two coordinates changing by 1 each (ε). A token entering (0 -> 1) or
+    leaving the support is kept with probability <= δ/2 each, giving δ in total. The TWS step
+    only post-processes the released (K, ĉ_K).
+
+    Privacy:
+        Reads the (sensitive) histogram; output DP as stated above. `key` must be secret and fresh.
+    """
+    counts = _counts(counts)
+    keep_at = max(dpws_threshold(epsilon, delta), float(threshold))
+    key_noise, key_sample = jax.random.split(key)
+    noisy = counts + (2.0 / epsilon) * jax.random.laplace(key_noise, counts.shape, jnp.float32)
+    kept = jnp.where((counts > 0) & (noisy >= keep_at), noisy, 0.0)
+    return _weighted_sample(key_sample, kept, jnp.sum(counts) / gamma)

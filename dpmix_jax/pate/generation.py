@@ -1,0 +1,301 @@
+"""Private sequential decoding with a teacher ensemble (Hot PATE / cold PATE).
+
+Every step queries all teachers for the current prefix, samples one vote histogram (coordinated
+or independent), and aggregates it with a DP aggregator. On FAIL the step is retried with fresh
+randomness (charged) up to `max_retries` times, then the token comes from a public model (free:
+it never reads sensitive data) or, without one, decoding stops. Decoding stops on EOS, on a stop
+sequence (e.g. the tokens of a blank line) or at `max_new_tokens`.
+
+Every aggregator call that ran is recorded in a `PrivacyLedger`; the reported ε is the ledger's
+(data-independent composition over all steps and retries). For confident-GNMax the PATE 2018
+data-dependent ε is reported as well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpmix_jax.pate import accounting, aggregators, samplers
+from dpmix_jax.privacy import accounting as privacy
+
+__all__ = [
+    "GenerationConfig",
+    "GenerationResult",
+    "PublicModel",
+    "Teachers",
+    "generate",
+    "make_step",
+]
+
+
+@runtime_checkable
+class Teachers(Protocol):
+    """An ensemble of n teachers over a vocabulary of V tokens (local models or an API)."""
+
+    vocab_size: int
+
+    @property
+    def num_teachers(self) -> int: ...
+
+    def __call__(self, prefix: Sequence[int]) -> jax.Array:
+        """`(n, V)` next-token logits of every teacher after the shared `prefix`."""
+        ...
+
+
+PublicModel = Callable[[Sequence[int]], jax.Array]
+"""A public (non-sensitive) model: prefix -> `(V,)` next-token logits."""
+
+Aggregator = Literal["dpws", "dpargmax_laplace", "confident_gnmax"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationConfig:
+    """Settings of one private decoding run.
+
+    Attributes:
+        sampler: "coordinated" (hot) or "independent" (cold) vote histograms.
+        temperature: teacher sampling temperature (also used for the public fallback).
+        top_k: exact top-K fast path of the coordinated sampler (None = full scan).
+        aggregator: "dpws", "dpargmax_laplace" or "confident_gnmax".
+        epsilon: per-call ε of DPWS / DPARGMAX.
+        delta: per-call δ of DPWS.
+        gamma: DPWS's relevance factor γ.
+        threshold: T (DPARGMAX, confident-GNMax; an extra keep threshold for DPWS).
+        sigma1, sigma2: confident-GNMax's threshold and argmax noise.
+        max_retries: retries of a failed step with fresh randomness (each one is charged).
+        max_new_tokens: length limit.
+        eos_id: end-of-sequence token (None: none).
+        stop_sequences: decoding stops once the output ends with one of these token sequences.
+        report_delta: the δ at which the run's ε is reported.
+    """
+
+    sampler: Literal["coordinated", "independent"] = "coordinated"
+    temperature: float = 1.0
+    top_k: int | None = None
+    aggregator: Aggregator = "dpws"
+    epsilon: float = 1.0
+    delta: float = 1e-6
+    gamma: float = 1.0
+    threshold: float = 0.0
+    sigma1: float = 1.0
+    sigma2: float = 1.0
+    max_retries: int = 0
+    max_new_tokens: int = 32
+    eos_id: int | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    report_delta: float = 1e-5
+
+    def __post_init__(self):
+        if self.sampler not in ("coordinated", "independent"):
+            raise ValueError(
+                f"sampler must be 'coordinated' or 'independent', got {self.sampler!r}."
+            )
+        if self.aggregator not in ("dpws", "dpargmax_laplace", "confident_gnmax"):
+            raise ValueError(
+                "aggregator must be 'dpws', 'dpargmax_laplace' or 'confident_gnmax', "
+                f"got {self.aggregator!r}."
+            )
+        privacy.check_positive(self.temperature, "temperature")
+        privacy.check_epsilon(self.epsilon)
+        privacy.check_delta(self.delta)
+        privacy.check_delta(self.report_delta, "report_delta")
+        privacy.check_positive(self.gamma, "gamma")
+        privacy.check_positive(self.sigma1, "sigma1")
+        privacy.check_positive(self.sigma2, "sigma2")
+        if self.threshold < 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold!r}.")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries!r}.")
+        privacy.check_steps(self.max_new_tokens, "max_new_tokens")
+        if self.top_k is not None and self.sampler != "coordinated":
+            raise ValueError("top_k applies to the coordinated sampler only.")
+        if any(len(s) == 0 for s in self.stop_sequences):
+            raise ValueError("stop_sequences must not contain an empty sequence.")
+
+    def charge(self) -> tuple:
+        """(dp-accounting event, extra δ) of one aggregator call."""
+        if self.aggregator == "dpws":
+            return accounting.dpws_event(self.epsilon), self.delta
+        if self.aggregator == "dpargmax_laplace":
+            return accounting.dpargmax_laplace_event(self.epsilon), 0.0
+        return accounting.confident_gnmax_event(self.sigma1, self.sigma2), 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationResult:
+    """What a decoding run produced and what it cost.
+
+    Attributes:
+        tokens: the generated tokens (prompt excluded).
+        sources: per token, "private" (released by the aggregator) or "public" (fallback).
+        num_queries: aggregator calls that ran (steps plus retries), all charged.
+        num_failed: calls that returned FAIL.
+        stop_reason: "eos", "stop_sequence", "max_new_tokens" or "fail" (no public fallback).
+        ledger: the privacy ledger (everything recorded in it, not only this sequence).
+        epsilon: data-independent ε of everything in the ledger.
+        delta: its δ (`report_delta` plus the δ charged per DPWS call).
+        gnmax: for confident-GNMax, both PATE 2018 analyses of this sequence's queries
+            (the data-dependent one is not itself private).
+    """
+
+    tokens: list[int]
+    sources: list[str]
+    num_queries: int
+    num_failed: int
+    stop_reason: str
+    ledger: accounting.PateLedger
+    epsilon: float
+    delta: float
+    gnmax: accounting.GNMaxReport | None = None
+
+    @property
+    def fallback_fraction(self) -> float:
+        """Fraction of generated tokens that came from the public model."""
+        return self.sources.count("public") / max(len(self.sources), 1)
+
+    @property
+    def yield_rate(self) -> float:
+        """Fraction of aggregator calls that released a token."""
+        return 1.0 - self.num_failed / max(self.num_queries, 1)
+
+
+@functools.lru_cache(maxsize=32)
+def make_step(config: GenerationConfig) -> Callable[[jax.Array, jax.Array], tuple]:
+    """`(key, logits (n, V)) -> (token or FAIL, histogram (V,))` for one query (jitted parts).
+
+    Privacy:
+        The histogram it returns is sensitive (used only for the data-dependent analysis).
+    """
+    sample = (
+        functools.partial(samplers.coordinated_histograms, top_k=config.top_k)
+        if config.sampler == "coordinated"
+        else samplers.independent_histograms
+    )
+    if config.aggregator == "dpws":
+        aggregate = functools.partial(
+            aggregators.dpws,
+            epsilon=config.epsilon,
+            delta=config.delta,
+            gamma=config.gamma,
+            threshold=config.threshold,
+        )
+    elif config.aggregator == "dpargmax_laplace":
+        aggregate = functools.partial(
+            aggregators.dpargmax_laplace, threshold=config.threshold, epsilon=config.epsilon
+        )
+    else:
+        aggregate = functools.partial(
+            aggregators.confident_gnmax,
+            threshold=config.threshold,
+            sigma1=config.sigma1,
+            sigma2=config.sigma2,
+        )
+
+    aggregate = jax.jit(aggregate)
+
+    def step(key, logits):
+        key_hist, key_agg = jax.random.split(key)
+        histogram = sample(key_hist, logits, 1, temperature=config.temperature)[0]
+        return aggregate(key_agg, histogram), histogram
+
+    return step
+
+
+def generate(
+    key: jax.Array,
+    teachers: Teachers,
+    prompt: Sequence[int],
+    config: GenerationConfig,
+    *,
+    public_model: PublicModel | None = None,
+    ledger: accounting.PateLedger | None = None,
+) -> GenerationResult:
+    """Decodes one sequence privately from the teacher ensemble.
+
+    Args:
+        key: secret PRNG key (sampler and aggregator noise); never log it.
+        teachers: the ensemble (`Teachers` protocol).
+        prompt: the public prefix shared by all teachers (may be empty).
+        config: decoding and privacy settings.
+        public_model: optional public fallback for failed steps (free).
+        ledger: a ledger to append to (e.g. across several sequences); a new one by default.
+
+    Returns:
+        A `GenerationResult`; its ε covers everything recorded in the ledger.
+
+    Privacy:
+        Reads the teachers (sensitive) only through the DP aggregator; every call is recorded in
+        the ledger, retries included. Public fallback tokens read no sensitive data and are free.
+    """
+    if not isinstance(teachers, Teachers):
+        raise ValueError("teachers must implement the Teachers protocol.")
+    ledger = accounting.PateLedger() if ledger is None else ledger
+    step = make_step(config)
+    event, call_delta = config.charge()
+    prefix = [int(t) for t in prompt]
+    tokens: list[int] = []
+    sources: list[str] = []
+    histograms, answered = [], []
+    num_queries = num_failed = 0
+    stop_reason = "max_new_tokens"
+    while len(tokens) < config.max_new_tokens:
+        logits = teachers(prefix + tokens)
+        token = aggregators.FAIL
+        for _ in range(config.max_retries + 1):
+            key, sub = jax.random.split(key)
+            token, histogram = step(sub, logits)
+            token = int(token)
+            ledger.record(event, delta=call_delta)
+            num_queries += 1
+            num_failed += token == aggregators.FAIL
+            if config.aggregator == "confident_gnmax":
+                histograms.append(np.asarray(histogram))
+                answered.append(token != aggregators.FAIL)
+            if token != aggregators.FAIL:
+                break
+        if token != aggregators.FAIL:
+            sources.append("private")
+        elif public_model is not None:
+            key, sub = jax.random.split(key)
+            public_logits = jnp.asarray(public_model(prefix + tokens), jnp.float32)
+            token = int(jax.random.categorical(sub, public_logits / config.temperature))
+            sources.append("public")
+        else:
+            stop_reason = "fail"
+            break
+        tokens.append(token)
+        if config.eos_id is not None and token == config.eos_id:
+            stop_reason = "eos"
+            break
+        if any(tuple(tokens[-len(s) :]) == tuple(s) for s in config.stop_sequences):
+            stop_reason = "stop_sequence"
+            break
+    gnmax = None
+    if histograms:
+        gnmax = accounting.confident_gnmax_report(
+            np.stack(histograms),
+            np.array(answered),
+            threshold=config.threshold,
+            sigma1=config.sigma1,
+            sigma2=config.sigma2,
+            delta=config.report_delta,
+        )
+    budget = ledger.budget(config.report_delta)
+    return GenerationResult(
+        tokens=tokens,
+        sources=sources,
+        num_queries=num_queries,
+        num_failed=num_failed,
+        stop_reason=stop_reason,
+        ledger=ledger,
+        epsilon=budget.epsilon,
+        delta=budget.delta,
+        gnmax=gnmax,
+    )

@@ -1,0 +1,142 @@
+"""Private decoding with teacher ensembles; in-context GPT-2 teachers; the record partition."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpmix_jax.models.gpt2 import GPT2, GPT2Config
+from dpmix_jax.pate import accounting, generation
+from dpmix_jax.pate.teachers import (
+    InContextTeachers,
+    TableTeachers,
+    build_prompts,
+    partition_records,
+)
+
+V = 12
+
+
+def chain_table(n, noise=0.0, seed=0):
+    """Teachers that all continue t -> t + 1 (mod V) with probability ~1."""
+    table = np.full((n, V, V), -30.0, np.float32)
+    for t in range(V):
+        table[:, t, (t + 1) % V] = 0.0
+    table += noise * np.random.default_rng(seed).normal(size=table.shape).astype(np.float32)
+    return TableTeachers(table, start_token=0)
+
+
+def disagreeing_teachers(n):
+    """Teacher i always wants token i (mod V): no token ever gets more than ceil(n / V) votes."""
+    table = np.full((n, V, V), -30.0, np.float32)
+    table[np.arange(n), :, np.arange(n) % V] = 0.0
+    return TableTeachers(table)
+
+
+def public_model(prefix):
+    return jnp.zeros((V,)).at[V - 1].set(30.0)  # the public model always says V - 1
+
+
+DPWS = dict(aggregator="dpws", epsilon=1.0, delta=1e-6, gamma=1.0)
+
+
+@pytest.mark.parametrize("sampler", ["coordinated", "independent"])
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        DPWS,
+        dict(aggregator="dpargmax_laplace", epsilon=1.0, threshold=40.0),
+        dict(aggregator="confident_gnmax", threshold=40.0, sigma1=5.0, sigma2=3.0),
+    ],
+)
+def test_agreeing_teachers_are_followed_and_every_query_is_charged(sampler, privacy):
+    config = generation.GenerationConfig(sampler=sampler, max_new_tokens=6, **privacy)
+    result = generation.generate(jax.random.key(0), chain_table(64), [3], config)
+    assert result.tokens == [4, 5, 6, 7, 8, 9]
+    assert result.sources == ["private"] * 6 and result.stop_reason == "max_new_tokens"
+    assert result.num_queries == 6 == result.ledger.count
+    event, call_delta = config.charge()
+    expected = accounting.epsilon_of_steps(event, steps=6, delta=config.report_delta)
+    assert result.epsilon == pytest.approx(expected)
+    assert result.delta == pytest.approx(config.report_delta + 6 * call_delta)
+    if privacy["aggregator"] == "confident_gnmax":
+        assert result.gnmax.num_answered == 6
+        assert result.gnmax.epsilon_data_dependent < result.gnmax.epsilon_data_independent_rdp
+
+
+def test_failed_steps_fall_back_to_public_model_and_retries_are_charged():
+    config = generation.GenerationConfig(max_new_tokens=4, max_retries=2, **DPWS)
+    result = generation.generate(
+        jax.random.key(1), disagreeing_teachers(24), [], config, public_model=public_model
+    )
+    assert result.tokens == [V - 1] * 4 and result.sources == ["public"] * 4
+    assert result.num_queries == 12 == result.num_failed  # 4 steps x (1 + 2 retries)
+    assert result.fallback_fraction == 1.0 and result.yield_rate == 0.0
+    assert result.epsilon == pytest.approx(
+        accounting.epsilon_of_steps(accounting.dpws_event(1.0), steps=12, delta=1e-5)
+    )
+
+
+def test_without_public_model_decoding_stops_on_fail():
+    config = generation.GenerationConfig(max_new_tokens=4, **DPWS)
+    result = generation.generate(jax.random.key(2), disagreeing_teachers(24), [], config)
+    assert result.tokens == [] and result.stop_reason == "fail" and result.num_queries == 1
+
+
+def test_stops_on_eos_and_stop_sequence_and_shares_a_ledger():
+    ledger = accounting.PateLedger()
+    eos = generation.GenerationConfig(max_new_tokens=20, eos_id=7, **DPWS)
+    result = generation.generate(jax.random.key(3), chain_table(64), [3], eos, ledger=ledger)
+    assert result.tokens == [4, 5, 6, 7] and result.stop_reason == "eos"
+    stop = generation.GenerationConfig(max_new_tokens=20, stop_sequences=((9, 10),), **DPWS)
+    result = generation.generate(jax.random.key(4), chain_table(64), [6], stop, ledger=ledger)
+    assert result.tokens == [7, 8, 9, 10] and result.stop_reason == "stop_sequence"
+    assert ledger.count == 8 and result.ledger is ledger
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="aggregator"):
+        generation.GenerationConfig(aggregator="tws")
+    with pytest.raises(ValueError, match="top_k"):
+        generation.GenerationConfig(sampler="independent", top_k=4)
+    with pytest.raises(ValueError, match="epsilon"):
+        generation.GenerationConfig(epsilon=0.0)
+    with pytest.raises(ValueError, match="protocol"):
+        generation.generate(jax.random.key(0), object(), [], generation.GenerationConfig())
+
+
+def test_partition_is_disjoint_covering_and_data_independent():
+    parts = partition_records(103, 10, seed=5)
+    flat = np.concatenate(parts)
+    assert sorted(flat.tolist()) == list(range(103))
+    assert {len(p) for p in parts} <= {10, 11}
+    again = partition_records(103, 10, seed=5)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    with pytest.raises(ValueError):
+        partition_records(5, 10, seed=0)
+
+
+def test_prompts_use_only_own_records():
+    records = [[100 + i, 200 + i] for i in range(20)]
+    parts = partition_records(20, 4, seed=0)
+    prompts = build_prompts(records, parts, separator=[1], records_per_teacher=3)
+    for prompt, part in zip(prompts, parts, strict=True):
+        expected = [t for i in part[:3] for t in (*records[i], 1)]
+        assert prompt == expected
+
+
+def test_in_context_teachers_match_unbatched_forward_passes():
+    model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=48), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 64, size=rng.integers(2, 12)).tolist() for _ in range(5)]
+    teachers = InContextTeachers(model, prompts, batch_size=2, length_bucket=8)
+    assert isinstance(teachers, generation.Teachers) and teachers.num_teachers == 5
+    prefix = [5, 9, 11]
+    logits = np.asarray(teachers(prefix))
+    assert logits.shape == (5, 64)
+    for i, prompt in enumerate(prompts):
+        alone = model(jnp.asarray([prompt + prefix]))[0, -1]
+        np.testing.assert_allclose(logits[i], np.asarray(alone), atol=1e-4)
+    with pytest.raises(ValueError, match="tokens"):
+        teachers(list(range(60)))
