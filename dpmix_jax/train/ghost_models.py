@@ -1,0 +1,215 @@
+"""Per-example clipped gradient sums for Flax NNX models, by vmap or by ghost clipping.
+
+`model_clipped_grad_sum(model, batch_loss, clip_norm=C, method=...)` returns a
+`privacy.ClippedGradSum` over the model's `nnx.Param` state for either method, so a training loop
+selects the method per model without other changes:
+
+- "vmap": per-example gradients with `jax.vmap` (any model), optionally in microbatches;
+- "ghost": ghost norms plus one reweighted backward pass (`privacy.ghost`), for models built from
+  `nnx.Linear`, `nnx.Embed` (including a tied `attend` head), `nnx.LayerNorm`, `nnx.GroupNorm`
+  and the ResNet `Conv` (without weight standardisation).
+
+The ghost path reports layers to the tape without touching model code: inside the traced loss,
+the freshly merged model's supported modules are switched to subclasses whose calls run the
+original layer and then report its input and output to the tape.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> loss = lambda m, batch: jnp.sum(m(batch["x"]) ** 2, axis=-1)
+    >>> grad_sum = model_clipped_grad_sum(model, loss, clip_norm=1.0, method="ghost")
+    >>> total, stats = grad_sum(nnx.state(model, nnx.Param), {"x": jnp.ones((4, 3))},
+    ...                         jnp.ones(4, bool))
+    >>> stats["grad_norm"].shape
+    (4,)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dpmix_jax.models.resnet import Conv
+from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum
+from dpmix_jax.privacy.ghost import Tape, ghost_clipped_grad_sum
+
+# batch_loss(model, batch) -> (B,) per-example losses.
+BatchLossFn = Callable[[nnx.Module, Any], jax.Array]
+METHODS = ("vmap", "ghost")
+
+
+def _tap(module: nnx.Module) -> tuple[Tape, tuple]:
+    return module.__dict__["_ghost_tape"], module.__dict__["_ghost_path"]
+
+
+def _name(path: tuple) -> str:
+    return "/".join(map(str, path))
+
+
+def _normalize(x: jax.Array, axes: tuple[int, ...], epsilon: float) -> jax.Array:
+    """(x - mean) / sqrt(var + eps) over `axes`, as Flax computes it (fast variance)."""
+    x = x.astype(jnp.float32)
+    mean = x.mean(axes, keepdims=True)
+    var = jnp.maximum(0.0, jnp.square(x).mean(axes, keepdims=True) - jnp.square(mean))
+    return (x - mean) * jax.lax.rsqrt(var + epsilon)
+
+
+def _affine_keys(module: nnx.Module, path: tuple) -> dict[str, tuple | None]:
+    return {
+        "scale": path + ("scale",) if module.scale is not None else None,
+        "bias": path + ("bias",) if module.bias is not None else None,
+    }
+
+
+class _TapLinear(nnx.Linear):
+    def __call__(self, inputs, out_sharding=None):
+        tape, path = _tap(self)
+        outputs = super().__call__(inputs, out_sharding=out_sharding)
+        bias = path + ("bias",) if self.bias is not None else None
+        return tape.linear(_name(path), inputs, outputs, kernel=path + ("kernel",), bias=bias)
+
+
+class _TapEmbed(nnx.Embed):
+    def __call__(self, inputs, out_sharding=None):
+        tape, path = _tap(self)
+        outputs = super().__call__(inputs, out_sharding=out_sharding)
+        return tape.embedding(
+            _name(path), inputs, outputs, table=path + ("embedding",),
+            vocab_size=self.num_embeddings,
+        )  # fmt: skip
+
+    def attend(self, query, out_sharding=None):
+        tape, path = _tap(self)
+        logits = super().attend(query, out_sharding=out_sharding)
+        return tape.attend(_name(path) + "/attend", query, logits, table=path + ("embedding",))
+
+
+class _TapLayerNorm(nnx.LayerNorm):
+    def __call__(self, x, *, mask=None):
+        if mask is not None:
+            raise ValueError("ghost clipping does not support masked LayerNorm statistics.")
+        tape, path = _tap(self)
+        outputs = super().__call__(x)
+        axes = tuple(range(x.ndim))[self.reduction_axes :] if isinstance(
+            self.reduction_axes, int
+        ) else tuple(self.reduction_axes)  # fmt: skip
+        normalized = _normalize(x, axes, self.epsilon)
+        return tape.scale_shift(_name(path), normalized, outputs, **_affine_keys(self, path))
+
+
+class _TapGroupNorm(nnx.GroupNorm):
+    def __call__(self, x, *, mask=None):
+        if mask is not None or self.reduction_axes is not None:
+            raise ValueError("ghost clipping supports GroupNorm over all non-batch axes only.")
+        tape, path = _tap(self)
+        outputs = super().__call__(x)
+        grouped = x.reshape(*x.shape[:-1], self.num_groups, self.group_size)
+        axes = (*range(1, x.ndim - 1), x.ndim)
+        normalized = _normalize(grouped, axes, self.epsilon).reshape(x.shape)
+        return tape.scale_shift(_name(path), normalized, outputs, **_affine_keys(self, path))
+
+
+class _TapConv(Conv):
+    def __call__(self, x):
+        tape, path = _tap(self)
+        outputs = super().__call__(x)
+        size = self.kernel.shape[:2]
+        pad = (self.padding, self.padding)
+        return tape.conv(
+            _name(path), x.astype(self.dtype), outputs, kernel=path + ("kernel",),
+            kernel_size=size, strides=(self.stride, self.stride), padding=(pad, pad),
+        )  # fmt: skip
+
+
+_TAPPED = {
+    nnx.Linear: _TapLinear,
+    nnx.Embed: _TapEmbed,
+    nnx.LayerNorm: _TapLayerNorm,
+    nnx.GroupNorm: _TapGroupNorm,
+    Conv: _TapConv,
+}
+_PARAM_NAMES = ("kernel", "bias", "embedding", "scale")
+
+
+def _param_paths(params: nnx.State) -> set[tuple]:
+    paths = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(k.key for k in p if isinstance(k, jax.tree_util.DictKey)) for p, _ in paths}
+
+
+def check_ghost_support(model: nnx.Module) -> None:
+    """Raises ValueError unless every parameter of `model` lives in a layer the tape covers."""
+    covered = set()
+    for path, module in nnx.iter_modules(model):
+        if type(module) in _TAPPED:
+            if isinstance(module, Conv) and module.weight_standardization:
+                raise ValueError(
+                    f"ghost clipping does not support weight-standardised convolutions "
+                    f"({_name(path)}); use method='vmap'."
+                )
+            covered |= {path + (name,) for name in _PARAM_NAMES}
+    missing = _param_paths(nnx.state(model, nnx.Param)) - covered
+    if missing:
+        names = sorted(_name(p) for p in missing)
+        raise ValueError(
+            f"ghost clipping needs every parameter in a supported layer "
+            f"({', '.join(t.__name__ for t in _TAPPED)}); not covered: {names[:5]}. "
+            "Use method='vmap'."
+        )
+
+
+def model_clipped_grad_sum(
+    model: nnx.Module,
+    batch_loss: BatchLossFn,
+    *,
+    clip_norm: float,
+    method: str = "vmap",
+    microbatch_size: int | None = None,
+) -> ClippedGradSum:
+    """Clipped per-example gradient sum over `nnx.state(model, nnx.Param)`.
+
+    Args:
+        model: the NNX model (its non-parameter state is captured as a constant).
+        batch_loss: `batch_loss(model, batch) -> (B,)` per-example losses; example j's loss must
+            depend on example j only.
+        clip_norm: C > 0.
+        method: "vmap" or "ghost" (see the module docstring).
+        microbatch_size: vmap only: examples per `lax.scan` chunk.
+
+    Returns:
+        `(params, batch, mask) -> (sum, stats)` with `params` an `nnx.State` of the model's
+        parameters; `sum` has the same structure.
+
+    Privacy: the sum has L2 sensitivity `clip_norm` under add/remove of one example (each
+    example's gradient over all parameters is clipped; padded and non-finite rows add zero).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+    graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+    if method == "vmap":
+
+        def example_loss(params, example):
+            return batch_loss(nnx.merge(graphdef, params, rest), example)[0]
+
+        return clipped_grad_sum(
+            example_loss, clip_norm=clip_norm, microbatch_size=microbatch_size,
+            keep_batch_dim=True,
+        )  # fmt: skip
+    if microbatch_size is not None:
+        raise ValueError("microbatch_size applies to method='vmap' only.")
+    check_ghost_support(model)
+
+    def taped_loss(params, batch, tape):
+        merged = nnx.merge(graphdef, params, rest)
+        for path, module in nnx.iter_modules(merged):
+            if type(module) in _TAPPED:
+                module.__class__ = _TAPPED[type(module)]
+                module.__dict__["_ghost_tape"] = tape
+                module.__dict__["_ghost_path"] = path
+        return batch_loss(merged, batch)
+
+    return ghost_clipped_grad_sum(taped_loss, clip_norm=clip_norm)

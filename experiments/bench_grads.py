@@ -1,0 +1,484 @@
+"""Throughput of per-example clipping: non-private vs DP (vmap, microbatched, ghost) vs Opacus.
+
+For every model and batch size of a preset (`experiments/configs/bench_grads.py`) this builds, in
+one process and on one fixed synthetic batch, a full training step of each method and times them
+interleaved (warm-up steps, then `rounds` rounds of `steps_per_round` individually timed steps;
+the median over all steps and the min-max of the per-round medians are reported):
+
+- nonprivate: `jax.value_and_grad` of the mean loss + optax SGD;
+- dp_vmap / dp_microbatch / dp_ghost: `privacy.make_dp_sgd_step` (clipped sum, Gaussian noise,
+  division by the batch size, SGD) with the clipped sum from `train.ghost_models`;
+- opacus_nonprivate / opacus_dp: the same architecture in PyTorch, plain and through Opacus
+  (`grad_sample_mode="hooks"`), with `torch.set_num_threads` = the CPU thread count JAX uses.
+
+Memory: JAX rows give `compiled.memory_analysis()` of the step (arguments + outputs + temporaries
+- aliased bytes: XLA's static peak estimate); torch rows give the growth of the process's peak RSS
+(`ru_maxrss`) over that method's warm-up, which is 0 when an earlier method already reached a
+higher peak (a lower bound, order dependent). `compiles` counts traces of the step inside the
+timed loops (0 means no recompilation after warm-up).
+
+It also times the DP-MixMin mirror-descent solver against a non-private exponentiated-gradient
+step on the same batches, and the Hot PATE samplers (coordinated full scan, coordinated top-K,
+independent inverse CDF).
+
+Usage: `python -m experiments.bench_grads --preset cpu --json bench.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dpmix_jax.mixing import objectives, solvers
+from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
+from dpmix_jax.pate import samplers
+from dpmix_jax.privacy import noise
+from dpmix_jax.train.ghost_models import model_clipped_grad_sum
+from experiments.configs.bench_grads import BenchConfig, ModelBench, get_config
+
+LEARNING_RATE, NOISE_MULTIPLIER, CLIP_NORM = 0.01, 1.0, 1.0
+DP_METHODS = {"dp_vmap": "vmap", "dp_microbatch": "vmap", "dp_ghost": "ghost"}
+
+
+@dataclasses.dataclass
+class Runner:
+    """One method at one batch size: `step()` runs one full step and waits for it."""
+
+    method: str
+    step: Callable[[], None]
+    peak_memory_bytes: int | None
+    traces: Callable[[], int | None]
+    times: list[list[float]] = dataclasses.field(default_factory=list)
+
+
+def jax_threads() -> int:
+    """CPU threads XLA uses: the cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+# ----------------------------------------------------------------------------- models and data
+
+
+def _jax_model(spec: ModelBench) -> tuple[nnx.Module, Callable]:
+    rngs = nnx.Rngs(0)
+    if spec.model.startswith("resnet"):
+        config = ResNetConfig.tiny() if spec.model == "resnet_tiny" else ResNetConfig.resnet18(
+            stem="cifar")  # fmt: skip
+        return ResNet(config, spec.num_classes, rngs=rngs), _classification_loss
+    config = GPT2Config.tiny() if spec.model == "gpt2_tiny" else GPT2Config.small()
+    return GPT2(config, rngs=rngs), _lm_loss
+
+
+def _classification_loss(model, batch):
+    logits = model(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
+
+
+def _lm_loss(model, batch):
+    logits = model(batch["ids"][:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["ids"][:, 1:]).mean(-1)
+
+
+def _data(spec: ModelBench, batch_size: int, vocab_size: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if spec.model.startswith("resnet"):
+        x = rng.standard_normal((batch_size, spec.image_size, spec.image_size, 3), np.float32)
+        return {"x": x, "y": rng.integers(0, spec.num_classes, batch_size).astype(np.int32)}
+    return {"ids": rng.integers(0, vocab_size, (batch_size, spec.seq_len + 1)).astype(np.int32)}
+
+
+# ----------------------------------------------------------------------------- JAX steps
+
+
+def _memory(jitted, *args) -> int | None:
+    try:
+        m = jitted.lower(*args).compile().memory_analysis()
+    except Exception:  # memory_analysis is not implemented on every backend
+        return None
+    if m is None:
+        return None
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return int(total - m.alias_size_in_bytes)
+
+
+def _jax_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool) -> Runner:
+    model, batch_loss = _jax_model(spec)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = jax.tree.map(jnp.asarray, data)
+    batch_size = next(iter(data.values())).shape[0]
+    mask = jnp.ones(batch_size, bool)
+    traces = [0]
+    if method == "nonprivate":
+        optimizer = optax.sgd(LEARNING_RATE)
+
+        def mean_loss(p, b):
+            return jnp.mean(batch_loss(nnx.merge(graphdef, p, rest), b))
+
+        def step(p, state, b, m):
+            traces[0] += 1
+            del m
+            _, grads = jax.value_and_grad(mean_loss)(p, b)
+            updates, state = optimizer.update(grads, state, p)
+            return optax.apply_updates(p, updates), state, None
+    else:
+        grad_sum = model_clipped_grad_sum(
+            model, batch_loss, clip_norm=CLIP_NORM, method=DP_METHODS[method],
+            microbatch_size=spec.microbatch_size if method == "dp_microbatch" else None,
+        )  # fmt: skip
+        optimizer = noise.private_optimizer(
+            optax.sgd(LEARNING_RATE), noise_multiplier=NOISE_MULTIPLIER,
+            sensitivity=grad_sum.sensitivity(), expected_batch_size=float(batch_size),
+            key=jax.random.key(1),
+        )  # fmt: skip
+        dp_step = noise.make_dp_sgd_step(grad_sum, optimizer)
+
+        def step(p, state, b, m):
+            traces[0] += 1
+            return dp_step(p, state, b, m)
+
+    jitted = jax.jit(step)
+    state = {"params": params, "opt": optimizer.init(params)}
+    memory = _memory(jitted, params, state["opt"], batch, mask) if memory_analysis else None
+
+    def run():
+        p, s, _ = jitted(state["params"], state["opt"], batch, mask)
+        jax.block_until_ready(p)
+        state["params"], state["opt"] = p, s
+
+    return Runner(method, run, memory, lambda: traces[0])
+
+
+# ----------------------------------------------------------------------------- torch / Opacus
+
+
+def _torch_modules():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, width, stride, groups):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
+            self.norm1 = nn.GroupNorm(groups, width, eps=1e-5)
+            self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+            self.norm2 = nn.GroupNorm(groups, width, eps=1e-5)
+            self.shortcut = None
+            if stride != 1 or cin != width:
+                self.shortcut = nn.Sequential(
+                    nn.Conv2d(cin, width, 1, stride, bias=False), nn.GroupNorm(groups, width)
+                )
+
+        def forward(self, x):
+            y = torch.relu(self.norm1(self.conv1(x)))
+            y = self.norm2(self.conv2(y))
+            return torch.relu(y + (x if self.shortcut is None else self.shortcut(x)))
+
+    class TorchResNet(nn.Module):
+        """The GroupNorm ResNet of `dpmix_jax.models.resnet` (basic blocks, CIFAR stem), NCHW."""
+
+        def __init__(self, config: ResNetConfig, num_outputs: int):
+            super().__init__()
+            self.stem = nn.Sequential(
+                nn.Conv2d(3, config.width, 3, 1, 1, bias=False),
+                nn.GroupNorm(config.groups, config.width, eps=1e-5),
+                nn.ReLU(),
+            )
+            blocks, cin = [], config.width
+            for stage, size in enumerate(config.stage_sizes):
+                width = config.width * 2**stage
+                for i in range(size):
+                    blocks.append(Block(cin, width, 2 if stage and not i else 1, config.groups))
+                    cin = width
+            self.blocks = nn.Sequential(*blocks)
+            self.head = nn.Linear(cin, num_outputs)
+
+        def forward(self, x):
+            return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+    return TorchResNet
+
+
+def _torch_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool) -> Runner:
+    del memory_analysis  # torch rows always report the peak-RSS growth
+    import torch
+
+    torch.manual_seed(0)
+    if spec.model.startswith("resnet"):
+        config = ResNetConfig.tiny() if spec.model == "resnet_tiny" else ResNetConfig.resnet18(
+            stem="cifar")  # fmt: skip
+        module = _torch_modules()(config, spec.num_classes)
+        inputs = torch.from_numpy(data["x"]).permute(0, 3, 1, 2).contiguous()
+        targets = torch.from_numpy(data["y"]).long()
+        criterion = torch.nn.CrossEntropyLoss()
+
+        def loss_of(m):
+            return criterion(m(inputs), targets)
+    else:
+        from transformers import GPT2Config as HFConfig
+        from transformers import GPT2LMHeadModel
+
+        jax_config = GPT2Config.tiny() if spec.model == "gpt2_tiny" else GPT2Config.small()
+        hf = HFConfig(
+            vocab_size=jax_config.vocab_size, n_positions=jax_config.n_positions,
+            n_embd=jax_config.n_embd, n_layer=jax_config.n_layer, n_head=jax_config.n_head,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+        )  # fmt: skip
+        module = GPT2LMHeadModel(hf)
+        ids = torch.from_numpy(data["ids"]).long()
+        inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        # Opacus needs the position ids with a batch axis (per-sample grads of wpe).
+        positions = torch.arange(spec.seq_len).expand(*inputs.shape).contiguous()
+        criterion = torch.nn.CrossEntropyLoss()
+
+        def loss_of(m):
+            logits = m(input_ids=inputs, position_ids=positions).logits
+            return criterion(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    optimizer = torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
+    if method == "opacus_dp":
+        from opacus import PrivacyEngine
+
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(inputs, targets), batch_size=inputs.shape[0]
+        )
+        module, optimizer, _ = PrivacyEngine(secure_mode=False).make_private(
+            module=module, optimizer=optimizer, data_loader=loader,
+            noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP_NORM,
+            poisson_sampling=False, grad_sample_mode="hooks",
+        )  # fmt: skip
+
+    def run():
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(module).backward()
+        optimizer.step()
+
+    return Runner(method, run, None, lambda: None)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def time_methods(config: BenchConfig, spec: ModelBench, batch_size: int) -> list[dict]:
+    """Builds every method for one (model, batch size), warms up, times interleaved rounds."""
+    vocab = _jax_model(spec)[0].config.vocab_size if spec.model.startswith("gpt2") else 0
+    data = _data(spec, batch_size, vocab)
+    runners = []
+    for method in config.methods:
+        rss = _peak_rss()
+        build = _torch_runner if method.startswith("opacus") else _jax_runner
+        runner = build(method, spec, data, config.memory_analysis)
+        for _ in range(config.warmup_steps):
+            runner.step()
+        if runner.peak_memory_bytes is None and method.startswith("opacus"):
+            runner.peak_memory_bytes = _peak_rss() - rss
+        runners.append(runner)
+    warm_traces = {r.method: r.traces() for r in runners}
+    for _ in range(config.rounds):
+        for runner in runners:
+            times = []
+            for _ in range(config.steps_per_round):
+                start = time.perf_counter()
+                runner.step()
+                times.append(time.perf_counter() - start)
+            runner.times.append(times)
+    rows = []
+    for runner in runners:
+        all_times = [t for rnd in runner.times for t in rnd]
+        medians = [statistics.median(rnd) for rnd in runner.times]
+        traces = runner.traces()
+        rows.append({
+            "model": spec.model,
+            "batch_size": batch_size,
+            "method": runner.method,
+            "examples_per_second": batch_size / statistics.median(all_times),
+            "median_step_seconds": statistics.median(all_times),
+            "round_median_range_seconds": [min(medians), max(medians)],
+            "peak_memory_bytes": runner.peak_memory_bytes,
+            "compiles": None if traces is None else traces - warm_traces[runner.method],
+            "compiles_warmup": warm_traces[runner.method],
+        })  # fmt: skip
+    return rows
+
+
+def _median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@jax.jit
+def _nonprivate_mixmin(examples: dict, batches: jax.Array) -> jax.Array:
+    """Scans λ ∝ λ ⊙ exp(-∇F_batch(λ)) over the batches (no clipping, no noise)."""
+
+    def body(logits, indices):
+        sub = jax.tree.map(lambda x: x[indices], examples)
+        grad = jax.grad(objectives.mean_loss)(jax.nn.softmax(logits), sub, kind="nll")
+        logits = logits - grad
+        return logits - jnp.max(logits), None
+
+    init = jnp.zeros(examples["preds"].shape[1])
+    return jax.nn.softmax(jax.lax.scan(body, init, batches)[0])
+
+
+def bench_mixmin(config: BenchConfig) -> list[dict]:
+    """DP mirror-descent step (public jitted `solvers.run_mirror_descent`) vs a non-private EG step.
+
+    Both scan `mixmin_steps` steps over the same (T, B) batches of the `nll` objective; the
+    non-private step is `λ ∝ λ ⊙ exp(-η ∇F_batch(λ))` without clipping or noise.
+    """
+    rows = []
+    steps, batch = config.mixmin_steps, config.mixmin_batch_size
+    for k in config.mixmin_sources:
+        rng = np.random.default_rng(k)
+        examples = objectives.prepare_examples(rng.uniform(0.01, 1.0, (10 * batch, k)))
+        batches = jnp.asarray(rng.integers(0, 10 * batch, (steps, batch)), jnp.int32)
+        masks = jnp.ones((steps, batch), bool)
+
+        private = functools.partial(
+            solvers.run_mirror_descent, examples, batches, masks, jax.random.key(0),
+            kind="nll", clip_norm=1.0, noise_multiplier=NOISE_MULTIPLIER,
+            expected_batch_size=float(batch), learning_rate=1.0,
+        )  # fmt: skip
+        nonprivate = functools.partial(_nonprivate_mixmin, examples, batches)
+        for method, fn in (("dp", private), ("nonprivate", nonprivate)):
+            seconds = _median_seconds(fn, 1, config.rounds) / steps
+            rows.append(
+                {"sources": k, "batch_size": batch, "method": method,
+                 "step_seconds": seconds, "examples_per_second": batch / seconds}
+            )  # fmt: skip
+    return rows
+
+
+def _pate_logits(config: BenchConfig, regime: str) -> jax.Array:
+    n, vocab = config.pate_teachers, config.pate_vocab
+    key = jax.random.key(0)
+    if regime == "random":  # the perf-anchors setting: N(0, 2²) logits
+        return 2.0 * jax.random.normal(key, (n, vocab))
+    # peaked, LLM-like: Zipf(2.5) over a per-teacher permutation of the vocabulary
+    ranks = jax.vmap(lambda k: jax.random.permutation(k, vocab))(jax.random.split(key, n))
+    return -2.5 * jnp.log1p(ranks.astype(jnp.float32))
+
+
+def bench_pate(config: BenchConfig) -> list[dict]:
+    """Histograms per second of the Hot PATE samplers, for random and peaked logits."""
+    r = config.pate_histograms
+    rows = []
+    for regime in ("random", "peaked"):
+        logits = _pate_logits(config, regime)
+        sample = functools.partial(samplers.coordinated_histograms, jax.random.key(1), logits)
+        full = config.pate_full_histograms
+        methods = {
+            "independent": functools.partial(
+                samplers.independent_histograms, jax.random.key(1), logits, r
+            ),
+            "coordinated_full": functools.partial(sample, full),
+        }
+        if config.pate_top_k is not None:
+            methods["coordinated_top_k"] = functools.partial(sample, r, top_k=config.pate_top_k)
+        for method, fn in methods.items():
+            count = full if method == "coordinated_full" else r
+            seconds = _median_seconds(fn, 1, 1 if method == "coordinated_full" else config.rounds)
+            rows.append({"logits": regime, "method": method, "teachers": logits.shape[0],
+                         "vocab": logits.shape[1], "histograms": count,
+                         "histograms_per_second": count / seconds})  # fmt: skip
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _table(rows: list[dict]) -> str:
+    by_key = {(r["model"], r["batch_size"], r["method"]): r for r in rows}
+    lines = [
+        f"{'model':<12} {'B':>5} {'method':<18} {'ex/s':>9} {'round range ms':>17} "
+        f"{'/np':>6} {'/opacus':>8} {'mem MiB':>8} {'compiles':>8}"
+    ]
+    for r in rows:
+        np_row = by_key.get((r["model"], r["batch_size"], "nonprivate"))
+        op_key = "opacus_dp" if r["method"].startswith("dp") else "opacus_nonprivate"
+        op_row = by_key.get((r["model"], r["batch_size"], op_key))
+        eps = r["examples_per_second"]
+        # ratios of step times: > 1 means this method is slower
+        vs_np = np_row["examples_per_second"] / eps if np_row else float("nan")
+        vs_op = op_row["examples_per_second"] / eps if op_row and r["method"] != op_key else None
+        lo, hi = (1e3 * t for t in r["round_median_range_seconds"])
+        mem = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.1f}"
+        comp = "-" if r["compiles"] is None else str(r["compiles"])
+        lines.append(
+            f"{r['model']:<12} {r['batch_size']:>5} {r['method']:<18} {eps:>9.1f} "
+            f"{lo:>8.1f}-{hi:<8.1f} {vs_np:>6.2f} "
+            f"{'-' if vs_op is None else f'{vs_op:.2f}':>8} {mem:>8} {comp:>8}"
+        )
+    return "\n".join(lines)
+
+
+def run(config: BenchConfig) -> dict:
+    """Runs every part of the benchmark and returns the JSON-ready report."""
+    import torch
+
+    torch.set_num_threads(jax_threads())
+    results = []
+    for spec in config.models:
+        for batch_size in spec.batch_sizes:
+            results.extend(time_methods(config, spec, batch_size))
+    mixmin = bench_mixmin(config) if config.mixmin_sources else []
+    pate = bench_pate(config) if config.pate_teachers else []
+    return {
+        "results": results,
+        "mixmin": mixmin,
+        "pate": pate,
+        "environment": {
+            "backend": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "threads": jax_threads(),
+            "jax": jax.__version__,
+            "torch": torch.__version__,
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="cpu", choices=("micro", "cpu", "gpu"))
+    parser.add_argument("--json", default=None, help="write the results to this path")
+    args = parser.parse_args(argv)
+    report = run(get_config(args.preset))
+    print(_table(report["results"]))
+    print("\nDP-MixMin (nll): seconds per step")
+    for row in report["mixmin"]:
+        print(f"  k={row['sources']:<5} B={row['batch_size']} {row['method']:<11} "
+              f"{1e3 * row['step_seconds']:.3f} ms")  # fmt: skip
+    print("\nHot PATE: histograms per second")
+    for row in report["pate"]:
+        print(f"  {row['logits']:<7} {row['method']:<18} {row['histograms_per_second']:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

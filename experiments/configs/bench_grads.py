@@ -1,0 +1,128 @@
+"""Presets of the per-example-gradient throughput benchmark (`experiments.bench_grads`).
+
+- "micro": the tiny GPT-2 at batch 4, one round, toy MixMin and PATE sizes (used by the tests).
+- "cpu": the tiny ResNet and GPT-2 presets at two batch sizes, plus DP-MixMin (k = 16, 1000) and
+  Hot PATE (n = 512, V = 50,257, r = 1000, top-K path); a few minutes on 2 cores.
+- "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
+METHODS = ("nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "opacus_nonprivate", "opacus_dp")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelBench:
+    """One model at several batch sizes.
+
+    Attributes:
+        model: one of `MODEL_NAMES`.
+        batch_sizes: physical batch sizes to time.
+        microbatch_size: chunk size of the "dp_microbatch" method (must divide every batch size).
+        seq_len: tokens per example (GPT-2 models).
+        image_size: height = width of the inputs (ResNet models).
+        num_classes: classifier outputs (ResNet models).
+    """
+
+    model: str
+    batch_sizes: tuple[int, ...]
+    microbatch_size: int
+    seq_len: int = 64
+    image_size: int = 32
+    num_classes: int = 10
+
+    def __post_init__(self):
+        if self.model not in MODEL_NAMES:
+            raise ValueError(f"model must be one of {MODEL_NAMES}, got {self.model!r}.")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes must be positive, got {self.batch_sizes}.")
+        if any(b % self.microbatch_size for b in self.batch_sizes):
+            raise ValueError(
+                f"microbatch_size {self.microbatch_size} must divide every batch size "
+                f"{self.batch_sizes}."
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """Public settings of one benchmark run.
+
+    Attributes:
+        models: the model benchmarks.
+        methods: subset of `METHODS`.
+        warmup_steps: untimed steps per method before timing (compilation happens here).
+        rounds: interleaved rounds (all methods once per round); the spread is over rounds.
+        steps_per_round: individually timed steps per method and round.
+        mixmin_sources: k values of the DP-MixMin solver benchmark (empty: skip it).
+        mixmin_batch_size: examples per DP-MixMin step.
+        mixmin_steps: steps per timed DP-MixMin scan.
+        pate_teachers: n of the Hot PATE benchmark (0: skip it).
+        pate_vocab: V.
+        pate_histograms: r histograms per call.
+        pate_top_k: K of the exact top-K coordinated path (None: full scan only).
+        pate_full_histograms: r of the coordinated full scan (its cost per histogram does not
+            depend on r, and r = 1000 takes about a minute per call on 2 CPU cores).
+        memory_analysis: compile each JAX step once more ahead of time to read XLA's memory
+            estimate (doubles compile time).
+    """
+
+    models: tuple[ModelBench, ...]
+    methods: tuple[str, ...] = METHODS
+    warmup_steps: int = 2
+    rounds: int = 3
+    steps_per_round: int = 5
+    mixmin_sources: tuple[int, ...] = (16, 1000)
+    mixmin_batch_size: int = 1000
+    mixmin_steps: int = 50
+    pate_teachers: int = 512
+    pate_vocab: int = 50_257
+    pate_histograms: int = 1000
+    pate_top_k: int | None = 64
+    pate_full_histograms: int = 100
+    memory_analysis: bool = True
+
+    def __post_init__(self):
+        if unknown := set(self.methods) - set(METHODS):
+            raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}.")
+        for name in ("warmup_steps", "rounds", "steps_per_round", "mixmin_batch_size",
+                     "mixmin_steps", "pate_histograms", "pate_full_histograms"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if any(k < 2 for k in self.mixmin_sources):
+            raise ValueError(f"mixmin_sources must be >= 2, got {self.mixmin_sources}.")
+        if self.pate_teachers < 0 or self.pate_vocab < 2:
+            raise ValueError("pate_teachers must be >= 0 and pate_vocab >= 2.")
+
+
+def get_config(preset: str = "cpu") -> BenchConfig:
+    """The named preset: "micro", "cpu" or "gpu"."""
+    if preset == "micro":
+        return BenchConfig(
+            models=(ModelBench(model="gpt2_tiny", batch_sizes=(4,), microbatch_size=2, seq_len=8),),
+            warmup_steps=1, rounds=1, steps_per_round=1, mixmin_sources=(4,),
+            mixmin_batch_size=16, mixmin_steps=2, pate_teachers=4, pate_vocab=32,
+            pate_histograms=4, pate_top_k=4, pate_full_histograms=4, memory_analysis=False,
+        )  # fmt: skip
+    if preset == "cpu":
+        return BenchConfig(
+            models=(
+                ModelBench(model="resnet_tiny", batch_sizes=(32, 128), microbatch_size=16),
+                ModelBench(model="gpt2_tiny", batch_sizes=(8, 32), microbatch_size=8),
+            ),
+        )
+    if preset == "gpu":
+        return BenchConfig(
+            models=(
+                ModelBench(model="resnet18", batch_sizes=(64, 256, 1024), microbatch_size=64),
+                ModelBench(
+                    model="gpt2_small", batch_sizes=(8, 32), microbatch_size=8, seq_len=256
+                ),  # fmt: skip
+            ),
+            rounds=3,
+            steps_per_round=10,
+            warmup_steps=3,
+        )
+    raise ValueError(f"unknown preset {preset!r}; choose micro, cpu or gpu.")

@@ -1,0 +1,156 @@
+"""Ghost clipping equals the vmap clipped sum and per-example norms, on small layers and models."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
+from dpmix_jax.privacy.clipping import clipped_grad_sum
+from dpmix_jax.privacy.ghost import Tape, ghost_clipped_grad_sum
+from dpmix_jax.train.ghost_models import check_ghost_support, model_clipped_grad_sum
+
+
+def _assert_trees_close(a, b, rtol=2e-4, atol=2e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def _compare(model, batch_loss, batch, mask, clip_norm):
+    params = nnx.state(model, nnx.Param)
+    ref_total, ref_stats = jax.jit(
+        model_clipped_grad_sum(model, batch_loss, clip_norm=clip_norm, method="vmap").function
+    )(params, batch, mask)
+    total, stats = jax.jit(
+        model_clipped_grad_sum(model, batch_loss, clip_norm=clip_norm, method="ghost").function
+    )(params, batch, mask)
+    np.testing.assert_allclose(stats["grad_norm"], ref_stats["grad_norm"], rtol=1e-4)
+    np.testing.assert_allclose(stats["loss"], ref_stats["loss"], rtol=1e-5)
+    _assert_trees_close(total, ref_total)
+    return stats
+
+
+class DenseEmbedConv(nnx.Module):
+    """Embedding, conv, LayerNorm, GroupNorm and dense layers with both long and short T."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(11, 6, rngs=rngs)
+        self.conv = nnx.Linear(6, 4, rngs=rngs)
+        self.ln = nnx.LayerNorm(4, rngs=rngs)
+        self.gn = nnx.GroupNorm(4, num_groups=2, rngs=rngs)
+        self.wide = nnx.Linear(4, 40, rngs=rngs)  # T² < d_in·d_out: Gram form
+        self.out = nnx.Linear(40, 3, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        h = self.gn(self.ln(self.conv(self.embed(ids))))
+        return self.out(jnp.tanh(self.wide(h))).mean(axis=1)
+
+
+def _cls_loss(model, batch):
+    logits = model(batch["x"])
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["y"][:, None], -1)[:, 0]
+
+
+def test_dense_embedding_norm_layers_match_vmap():
+    model = DenseEmbedConv(nnx.Rngs(0))
+    batch = {"x": jax.random.randint(jax.random.key(1), (5, 9), 0, 11), "y": jnp.arange(5) % 3}
+    mask = jnp.array([True, True, False, True, True])
+    stats = _compare(model, _cls_loss, batch, mask, clip_norm=0.3)
+    assert float(stats["grad_norm"].min()) > 0.3  # every example is clipped: clipping matters
+
+
+def test_direct_outer_product_path_matches_vmap():
+    # T = 40 positions, d_in·d_out = 6: the per-example outer product is cheaper than Gram.
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    loss = lambda m, b: jnp.sum(jnp.sin(m(b["x"])), axis=(1, 2))
+    batch = {"x": jax.random.normal(jax.random.key(2), (4, 40, 3))}
+    _compare(model, loss, batch, jnp.ones(4, bool), clip_norm=1.0)
+
+
+@pytest.mark.slow
+def test_conv_and_group_norm_resnet_matches_vmap():
+    model = ResNet(ResNetConfig.tiny(), 5, rngs=nnx.Rngs(0))
+    batch = {"x": jax.random.normal(jax.random.key(1), (4, 12, 12, 3)), "y": jnp.arange(4) % 5}
+    _compare(model, _cls_loss, batch, jnp.array([True, True, True, False]), clip_norm=1.0)
+
+
+@pytest.mark.slow
+def test_tied_gpt2_matches_vmap():
+    model = GPT2(GPT2Config.tiny(n_layer=1), rngs=nnx.Rngs(0))
+
+    def lm_loss(m, b):
+        logits = m(b["ids"][:, :-1])
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, b["ids"][:, 1:, None], -1)[..., 0].mean(-1)
+
+    # repeated tokens make the embedding/head cross terms non-trivial
+    batch = {"ids": jax.random.randint(jax.random.key(3), (3, 12), 0, 20)}
+    _compare(model, lm_loss, batch, jnp.ones(3, bool), clip_norm=2.0)
+
+
+def test_hand_written_tape_norms_are_exact():
+    # One dense layer: per-example gradient x_j ⊗ 2(y_j - t_j), norm = ||x_j|| · ||2(y_j - t_j)||.
+    def loss_fn(params, batch, tape):
+        y = tape.linear("fc", batch["x"], batch["x"] @ params["w"], kernel="w")
+        return jnp.sum((y - batch["t"]) ** 2, axis=-1)
+
+    rng = np.random.default_rng(0)
+    x, t, w = rng.normal(size=(6, 3)), rng.normal(size=(6, 2)), rng.normal(size=(3, 2))
+    batch = {"x": jnp.asarray(x, jnp.float32), "t": jnp.asarray(t, jnp.float32)}
+    mask = jnp.array([1, 1, 1, 1, 0, 1], bool)
+    total, stats = ghost_clipped_grad_sum(loss_fn, clip_norm=0.5)(
+        {"w": jnp.asarray(w, jnp.float32)}, batch, mask
+    )
+    residual = 2 * (x @ w - t)
+    norms = np.linalg.norm(x, axis=1) * np.linalg.norm(residual, axis=1)
+    np.testing.assert_allclose(stats["grad_norm"], norms, rtol=1e-5)
+    scale = np.minimum(1, 0.5 / norms) * np.asarray(mask)
+    expected = np.einsum("bi,bj,b->ij", x, residual, scale)
+    np.testing.assert_allclose(total["w"], expected, rtol=1e-5, atol=1e-6)
+    vmap_total, _ = clipped_grad_sum(
+        lambda p, ex: loss_fn(p, jax.tree.map(lambda a: a[None], ex), Tape())[0], clip_norm=0.5
+    )({"w": jnp.asarray(w, jnp.float32)}, batch, mask)
+    np.testing.assert_allclose(total["w"], vmap_total["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_non_finite_and_padded_rows_contribute_zero():
+    def loss_fn(params, batch, tape):
+        y = tape.linear("fc", batch["x"], batch["x"] @ params["w"], kernel="w")
+        return jnp.sum(y**2, axis=-1)
+
+    x = jnp.array([[1.0, 2.0], [jnp.inf, 1.0], [3.0, -1.0], [jnp.nan, 0.0]])
+    params = {"w": jnp.ones((2, 2))}
+    grad_sum = ghost_clipped_grad_sum(loss_fn, clip_norm=1.0)
+    total, stats = grad_sum(params, {"x": x}, jnp.array([True, True, False, False]))
+    assert not np.isfinite(stats["grad_norm"][1])
+    only_first, _ = grad_sum(params, {"x": x[:1]}, jnp.array([True]))
+    np.testing.assert_allclose(total["w"], only_first["w"], rtol=1e-6)
+    nothing, _ = grad_sum(params, {"x": x[1:2]}, jnp.array([True]))
+    assert float(jnp.abs(nothing["w"]).sum()) == 0.0
+
+
+def test_sensitivity_and_validation():
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    loss = lambda m, b: jnp.sum(m(b["x"]), axis=-1)
+    grad_sum = model_clipped_grad_sum(model, loss, clip_norm=1.5, method="ghost")
+    assert grad_sum.sensitivity() == 1.5
+    with pytest.raises(ValueError, match="leading axis"):
+        grad_sum(nnx.state(model, nnx.Param), {"x": jnp.ones((3, 2))}, jnp.ones(4, bool))
+    with pytest.raises(ValueError, match="method"):
+        model_clipped_grad_sum(model, loss, clip_norm=1.0, method="hooks")
+    with pytest.raises(ValueError, match="clip_norm"):
+        ghost_clipped_grad_sum(lambda p, b, t: b, clip_norm=0.0)
+    with pytest.raises(ValueError, match="weight-standardised"):
+        check_ghost_support(ResNet(ResNetConfig.tiny(weight_standardization=True), 2,
+                                   rngs=nnx.Rngs(0)))  # fmt: skip
+
+    class Unsupported(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+
+        def __call__(self, x):
+            return x * self.w[...]
+
+    with pytest.raises(ValueError, match="not covered"):
+        check_ghost_support(Unsupported())
