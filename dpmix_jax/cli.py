@@ -91,12 +91,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _demo(args: argparse.Namespace) -> int:
     from dpmix_jax.pipeline import METHODS, run_comparison
+    from dpmix_jax.pipeline.common import use_compilation_cache
 
     methods = args.methods or list(METHODS)
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise SystemExit(f"dpmix demo: unknown method(s) {unknown}; choose from {list(METHODS)}")
     start = time.time()
+    use_compilation_cache(args.out / "xla_cache")
     if args.dataset == "image":
         from dpmix_jax.pipeline.image import ImagePipeline
         from dpmix_jax.pipeline.presets import digit_task, image_demo_config

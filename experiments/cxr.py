@@ -11,6 +11,7 @@ import numpy as np
 
 from dpmix_jax.data import cxr
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
+from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import summarize
 from experiments.configs.nih import CxrExperimentConfig, get_config
 
@@ -68,6 +69,7 @@ def main(config: CxrExperimentConfig, out_dir: pathlib.Path, **roots: pathlib.Pa
         tasks = presets.digit_tasks(image_size=config.image_size, num_tasks=config.tasks)
     else:
         tasks = real_tasks(config, roots["nih_root"], roots["public_root"])
+    use_compilation_cache(out_dir / "xla_cache")
     per_task = {}
     for index, task in enumerate(tasks):
         task_dir = out_dir / f"task{index}"

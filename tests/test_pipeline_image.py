@@ -111,7 +111,8 @@ def test_baselines_are_labelled_and_accounted(task, tmp_path):
     assert random_init.weights is None and random_init.private
     search = pipeline.run("random_search", 1.0, seed=0)
     assert not search.private
-    assert len(search.extra["validation_aucs"]) == 2
+    scores = search.extra["validation_utilities"]
+    assert len(scores) == 2 and search.extra["selected_validation_utility"] == max(scores)
     # Two candidates, each fine-tuned on the same D_ft at ε = 1: their budgets add up.
     assert 2 * 0.99 <= search.spent.epsilon <= 2.0
     assert not pipeline.run("nonprivate_mixmin", 1.0, seed=0).private

@@ -1,23 +1,36 @@
 """DP-MixMin end to end: split, proxies, private mixture, pretraining on λ, DP fine-tuning,
 evaluation, budgets; baselines through the same stages; comparisons and reports."""
 
-from dpmix_jax.pipeline import common, compare, image, presets
-from dpmix_jax.pipeline.common import METHODS, MixtureConfig, RunResult, end_to_end_budget
+from dpmix_jax.pipeline import common, compare, image, presets, text, text_presets
+from dpmix_jax.pipeline.common import (
+    METHODS,
+    MixtureConfig,
+    MixturePipeline,
+    RunResult,
+    end_to_end_budget,
+)
 from dpmix_jax.pipeline.compare import run_comparison
 from dpmix_jax.pipeline.image import ImagePipeline, ImagePipelineConfig, ModelSpec, SharedInputTask
+from dpmix_jax.pipeline.text import DomainTextTask, TextPipeline, TextPipelineConfig
 
 __all__ = [
     "METHODS",
+    "DomainTextTask",
     "ImagePipeline",
     "ImagePipelineConfig",
     "MixtureConfig",
+    "MixturePipeline",
     "ModelSpec",
     "RunResult",
     "SharedInputTask",
+    "TextPipeline",
+    "TextPipelineConfig",
     "common",
     "compare",
     "end_to_end_budget",
     "image",
     "presets",
     "run_comparison",
+    "text",
+    "text_presets",
 ]

@@ -8,6 +8,7 @@ budget (training stages resume mid-run from their orbax checkpoints, see `train.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import json
@@ -120,6 +121,26 @@ class RunResult:
     private: bool
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunResult:
+        """The inverse of `to_json`."""
+        delta = float(data["delta"])
+        return cls(
+            method=data["method"],
+            epsilon=data["epsilon"],
+            delta=delta,
+            seed=data["seed"],
+            utility=data["utility"],
+            weights=data["weights"],
+            spent=accounting.PrivacyBudget(data["spent_epsilon"], data["spent_delta"]),
+            stages={
+                k: accounting.PrivacyBudget(v, delta) for k, v in data["stage_epsilons"].items()
+            },
+            composition=data["composition"],
+            private=data["private"],
+            extra=data["extra"],
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "method": self.method,
@@ -196,6 +217,16 @@ def dirichlet_candidates(k: int, count: int, *, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).dirichlet(np.ones(k), size=count)
 
 
+def derived_seed(seed: int, *names: object) -> int:
+    """A 32-bit seed for one named use of the run seed (a different stream per full name).
+
+    Every noisy stage derives its noise key and sampler seed from its own name, including the
+    target ε, so runs at different ε or from different initialisations never share noise.
+    """
+    text = "/".join(str(n) for n in (seed, *names))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
+
+
 def weights_key(weights: np.ndarray | None) -> str:
     """A short stable name for a λ (stage directories are shared between runs with equal λ)."""
     if weights is None:
@@ -233,6 +264,16 @@ class StageStore:
         return json.loads(target.read_text())
 
 
+def use_compilation_cache(directory: str | os.PathLike) -> None:
+    """Points JAX's persistent compilation cache (a process-wide setting) at `directory`, unless
+    one is configured already: pipeline runs whose training steps share shapes and σ then compile
+    once across runs and across reruns."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).absolute()))
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
@@ -251,3 +292,126 @@ def budget_from_json(data: Mapping[str, float]) -> accounting.PrivacyBudget:
 
 def finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+class MixturePipeline(abc.ABC):
+    """DP-MixMin and its baselines through one set of stages; subclasses provide the stages.
+
+    A subclass defines `config` (with `delta`, `composition`, `sequential_mixture_share`,
+    `random_search_candidates`), `k` (the number of public sources), `higher_is_better` and the
+    stages below; this class runs the five methods on them, stores each run's result and composes
+    the budgets.
+    """
+
+    higher_is_better: bool
+    config: Any
+    root: pathlib.Path
+
+    @property
+    @abc.abstractmethod
+    def k(self) -> int:
+        """The number of public sources."""
+
+    @abc.abstractmethod
+    def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
+        """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports."""
+
+    @abc.abstractmethod
+    def nonprivate_weights(self, seed: int) -> np.ndarray:
+        """λ by exact MixMin on D_mix (NOT private)."""
+
+    @abc.abstractmethod
+    def pretrained(self, weights: np.ndarray | None, seed: int) -> Any:
+        """The downstream model pretrained on λ (fresh initialisation for None)."""
+
+    @abc.abstractmethod
+    def finetune(
+        self, init: Any, init_name: str, part: str, epsilon: float, seed: int
+    ) -> tuple[Any, accounting.PrivacyBudget]:
+        """DP fine-tuning on D_ft (`part="ft"`) or the whole train split (`"all"`)."""
+
+    @abc.abstractmethod
+    def utility(self, model: Any, split: str) -> float:
+        """The metric on the "val" or "test" split (evaluation only, not released)."""
+
+    def _store(self, seed: int) -> StageStore:
+        return StageStore(self.root / f"seed{seed}")
+
+    def run(self, method: Method, epsilon: float, seed: int) -> RunResult:
+        """One method at target ε (end to end) and one seed; stored, so a rerun is free.
+
+        Privacy: the result's `spent` is the accountants' (ε, δ) for what ran, composed as
+        configured; `private` is False for random search and non-private MixMin.
+        """
+        accounting.check_epsilon(epsilon)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+        name = f"run_{method}_{self.config.composition}_eps{epsilon:g}"
+        stored = self._store(seed).json(name, lambda: self._run(method, epsilon, seed).to_json())
+        return RunResult.from_json(stored)
+
+    def _run(self, method: str, epsilon: float, seed: int) -> RunResult:
+        if method == "random_search":
+            return self._random_search(epsilon, seed)
+        composition = self.config.composition
+        stages = {}
+        if method == "dp_mixmin":
+            mix_epsilon, ft_epsilon = stage_epsilons(
+                epsilon, composition, self.config.sequential_mixture_share
+            )
+            weights, stages["mixture"] = self.mixture(mix_epsilon, seed)
+            part = "ft"
+        else:
+            ft_epsilon, part = epsilon, "all"
+            weights = {
+                "uniform": lambda: np.full(self.k, 1.0 / self.k),
+                "random_init": lambda: None,
+                "nonprivate_mixmin": lambda: self.nonprivate_weights(seed),
+            }[method]()
+        init = self.pretrained(weights, seed)
+        model, stages["finetune"] = self.finetune(
+            init, weights_key(weights), part, ft_epsilon, seed
+        )
+        return RunResult(
+            method=method,
+            epsilon=epsilon,
+            delta=self.config.delta,
+            seed=seed,
+            utility=self.utility(model, "test"),
+            weights=None if weights is None else [float(w) for w in weights],
+            spent=end_to_end_budget(stages, composition),
+            stages=stages,
+            composition=composition,
+            private=method != "nonprivate_mixmin",
+        )
+
+    def _random_search(self, epsilon: float, seed: int) -> RunResult:
+        candidates = dirichlet_candidates(
+            self.k, self.config.random_search_candidates, seed=derived_seed(seed, "candidates")
+        )
+        scored = []
+        for weights in candidates:
+            init = self.pretrained(weights, seed)
+            model, budget = self.finetune(init, weights_key(weights), "ft", epsilon, seed)
+            scored.append((self.utility(model, "val"), weights, model, budget))
+        pick = max if self.higher_is_better else min
+        val_utility, weights, model, _ = pick(scored, key=lambda item: item[0])
+        # All m candidates were fine-tuned on the same D_ft: what ran is their sequential
+        # composition, and the selection on validation data is not accounted at all.
+        spent = accounting.compose_sequential(*(s[3] for s in scored))
+        return RunResult(
+            method="random_search",
+            epsilon=epsilon,
+            delta=self.config.delta,
+            seed=seed,
+            utility=self.utility(model, "test"),
+            weights=[float(w) for w in weights],
+            spent=spent,
+            stages={"finetune": spent},
+            composition=self.config.composition,
+            private=False,
+            extra={
+                "validation_utilities": [s[0] for s in scored],
+                "selected_validation_utility": val_utility,
+            },
+        )

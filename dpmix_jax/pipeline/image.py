@@ -25,7 +25,6 @@ import dataclasses
 import functools
 import pathlib
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
@@ -162,14 +161,7 @@ def _subset_gather(source: Source, rows: np.ndarray, task_index: int | None):
     return gather
 
 
-def _seed_key(seed: int, *names: str) -> jax.Array:
-    key = jax.random.key(seed)
-    for name in names:
-        key = jax.random.fold_in(key, int.from_bytes(name.encode()[:4].ljust(4, b"\0"), "little"))
-    return key
-
-
-class ImagePipeline:
+class ImagePipeline(common.MixturePipeline):
     """DP-MixMin and its baselines on one `SharedInputTask`, with stages stored under `root`.
 
     Args:
@@ -193,10 +185,13 @@ class ImagePipeline:
         self.root = pathlib.Path(root)
         self._on_stage = on_stage or (lambda name: None)
 
-    # ------------------------------------------------------------------ stages
-    def _store(self, seed: int) -> common.StageStore:
-        return common.StageStore(self.root / f"seed{seed}")
+    higher_is_better = True
 
+    @property
+    def k(self) -> int:
+        return self.task.k
+
+    # ------------------------------------------------------------------ stages
     def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Disjoint (D_mix, D_ft) positions of the sensitive train split (patient-disjoint when the
         source has group ids); with sequential composition both are the whole split."""
@@ -248,7 +243,7 @@ class ImagePipeline:
             self._on_stage("proxy_outputs")
             logits, labels = evaluate.model_outputs(
                 proxy,
-                lambda m, b: (m(b["inputs"]), b["labels"]),
+                evaluate.outputs_and_labels("inputs", "labels"),
                 _subset_gather(self.task.train, mix, self.task.task_index),
                 len(mix),
                 batch_size=self.config.eval_batch_size,
@@ -276,7 +271,7 @@ class ImagePipeline:
                 batch_size=mix_config.batch_size,
                 clip_norm=mix_config.clip_norm,
                 learning_rate=mix_config.learning_rate,
-                seed=seed,
+                seed=common.derived_seed(seed, "mixture", f"{epsilon:g}"),
                 solver=mix_config.solver,
                 shift=mix_config.shift,
                 accountant=mix_config.accountant,
@@ -330,8 +325,8 @@ class ImagePipeline:
         rows = ft if part == "ft" else np.arange(len(self.task.train))
         part = f"{part}_{self.config.composition}" if part == "ft" else part
         config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
-        store = self._store(seed)
-        checkpointer = Checkpointer(store.path(f"finetune_{init_name}_{part}_eps{epsilon:g}"))
+        name = f"finetune_{init_name}_{part}_eps{epsilon:g}"
+        checkpointer = Checkpointer(self._store(seed).path(name))
         if checkpointer.latest_step() != config.steps:
             self._on_stage("finetune")
         trainer = Trainer(
@@ -339,17 +334,18 @@ class ImagePipeline:
             init,
             losses.sigmoid_bce(target_key="labels"),
             num_units=len(rows),
-            noise_key=_seed_key(seed, "finetune", init_name, part),
+            noise_key=jax.random.key(common.derived_seed(seed, name)),
         )
         data = IndexedData(
             gather=_subset_gather(self.task.train, rows, self.task.task_index),
             num_examples=len(rows),
         )
-        result = fit(trainer, data, rng=np.random.default_rng(seed), checkpointer=checkpointer)
+        rng = np.random.default_rng(common.derived_seed(seed, name, "sampler"))
+        result = fit(trainer, data, rng=rng, checkpointer=checkpointer)
         checkpointer.close()
         return result.model, result.ledger.budget(self.config.delta, config.accountant)
 
-    def auc(self, model: nnx.Module, split: str) -> float:
+    def utility(self, model: nnx.Module, split: str) -> float:
         """Test (or validation) AUC of the downstream model. Evaluation only, not released."""
         source = getattr(self.task, split)
         report = evaluate.auc_report(
@@ -359,94 +355,3 @@ class ImagePipeline:
             batch_size=self.config.eval_batch_size,
         )
         return report["macro_auc"]
-
-    # ------------------------------------------------------------------ methods
-    def run(self, method: common.Method, epsilon: float, seed: int) -> common.RunResult:
-        """One method at target ε (end to end) and one seed; stored, so a rerun is free."""
-        accounting.check_epsilon(epsilon)
-        if method not in common.METHODS:
-            raise ValueError(f"method must be one of {common.METHODS}, got {method!r}.")
-        name = f"run_{method}_{self.config.composition}_eps{epsilon:g}"
-        stored = self._store(seed).json(name, lambda: self._run(method, epsilon, seed).to_json())
-        return _result_from_json(stored, self.config.delta)
-
-    def _run(self, method: str, epsilon: float, seed: int) -> common.RunResult:
-        delta, composition = self.config.delta, self.config.composition
-        if method == "random_search":
-            return self._random_search(epsilon, seed)
-        if method == "dp_mixmin":
-            mix_epsilon, ft_epsilon = common.stage_epsilons(
-                epsilon, composition, self.config.sequential_mixture_share
-            )
-            weights, mix_budget = self.mixture(mix_epsilon, seed)
-            part = "ft"
-        else:
-            mix_budget, ft_epsilon = None, epsilon
-            part = "all"
-            weights = {
-                "uniform": np.full(self.task.k, 1.0 / self.task.k),
-                "random_init": None,
-                "nonprivate_mixmin": (
-                    self.nonprivate_weights(seed) if method == "nonprivate_mixmin" else None
-                ),
-            }[method]
-        init = self.pretrained(weights, seed)
-        model, ft_budget = self.finetune(init, common.weights_key(weights), part, ft_epsilon, seed)
-        stages = {"finetune": ft_budget}
-        if mix_budget is not None:
-            stages["mixture"] = mix_budget
-        return common.RunResult(
-            method=method,
-            epsilon=epsilon,
-            delta=delta,
-            seed=seed,
-            utility=self.auc(model, "test"),
-            weights=None if weights is None else [float(w) for w in weights],
-            spent=common.end_to_end_budget(stages, composition),
-            stages=stages,
-            composition=composition,
-            private=method != "nonprivate_mixmin",
-        )
-
-    def _random_search(self, epsilon: float, seed: int) -> common.RunResult:
-        candidates = common.dirichlet_candidates(
-            self.task.k, self.config.random_search_candidates, seed=seed
-        )
-        scored = []
-        for weights in candidates:
-            init = self.pretrained(weights, seed)
-            model, budget = self.finetune(init, common.weights_key(weights), "ft", epsilon, seed)
-            scored.append((self.auc(model, "val"), weights, model, budget))
-        val_auc, weights, model, _ = max(scored, key=lambda item: item[0])
-        # All m candidates were fine-tuned on the same D_ft: what ran is their sequential
-        # composition, and the selection on validation data is not accounted at all.
-        spent = accounting.compose_sequential(*(s[3] for s in scored))
-        return common.RunResult(
-            method="random_search",
-            epsilon=epsilon,
-            delta=self.config.delta,
-            seed=seed,
-            utility=self.auc(model, "test"),
-            weights=[float(w) for w in weights],
-            spent=spent,
-            stages={"finetune": spent},
-            composition=self.config.composition,
-            private=False,
-            extra={"validation_aucs": [s[0] for s in scored], "selected_validation_auc": val_auc},
-        )
-
-
-def _result_from_json(data: dict[str, Any], delta: float) -> common.RunResult:
-    return common.RunResult(
-        method=data["method"],
-        epsilon=data["epsilon"],
-        delta=data["delta"],
-        seed=data["seed"],
-        utility=data["utility"],
-        weights=data["weights"],
-        spent=accounting.PrivacyBudget(data["spent_epsilon"], data["spent_delta"]),
-        stages={k: accounting.PrivacyBudget(v, delta) for k, v in data["stage_epsilons"].items()},
-        composition=data["composition"],
-        private=data["private"],
-        extra=data["extra"],
-    )

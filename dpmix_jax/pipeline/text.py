@@ -23,32 +23,22 @@ The end-to-end budget is the parallel composition of stages 4 and 6 (disjoint us
 `composition="sequential"` both stages run on the whole train split with ε split between them and
 the budgets add. Baselines run through the same stages (see `common.METHOD_NOTES`).
 
-Fine-tuning runs that share shapes and σ compile the same XLA programs; `compilation_cache=True`
-points JAX's persistent compilation cache (a process-wide setting) at `root/xla_cache` when no
-cache is configured, so that they compile once.
-
-API:
-    DomainTextTask(*, name, public_domains, train, val, test, true_weights=None)
-    from_builtin(task, *, split_fractions=(0.6, 0.2, 0.2), seed=0) -> DomainTextTask
-    from_user_documents(documents, public_domains, *, name, split_fractions, seed, ...)
-    from_enron(enron_root, public_root, *, domains=None, max_public_documents=None, ...)
-    from_document_files(path, public_root, *, max_documents=50_000, ...)   (OpenWebMath)
-    documents_as_units(texts) -> UserDocuments          every document its own unit
+API (the task and its adapters live in `text_data` and are re-exported here):
+    DomainTextTask, from_builtin, from_user_documents, from_enron, from_document_files,
+    documents_as_units, require_paths                   (see `pipeline.text_data`)
     LanguageModelSpec(*, config, weights=None)          .build(vocab_size, *, seed, load=True)
     TextPipelineConfig(*, level, mix_fraction, ..., proxy, mixture, pretrain, finetune)
-    TextPipeline(task, config, root, *, on_stage=None, compilation_cache=True)
+    TextPipeline(task, config, root, *, on_stage=None)
         .run(method, epsilon, seed) -> RunResult       (and the stages: split, tokenizer,
-        proxies, proxy_outputs, mixture, nonprivate_weights, pretrained, finetune, perplexity)
+        proxies, proxy_outputs, mixture, nonprivate_weights, pretrained, finetune, utility)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import jax
@@ -56,20 +46,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpmix_jax.data import builtin
-from dpmix_jax.data.text import (
-    UserDocuments,
-    document_tokens,
-    iter_documents,
-    load_domains,
-    load_enron,
-    pack_sequences,
-)
+from dpmix_jax.data.text import document_tokens, pack_sequences
 from dpmix_jax.data.tokenizer import TextTokenizer, gpt2_tokenizer, train_bpe_tokenizer
 from dpmix_jax.mixing import dp_mixmin, mixmin
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config, trainable_mask
 from dpmix_jax.pipeline import common
-from dpmix_jax.pipeline.image import _result_from_json
+from dpmix_jax.pipeline.text_data import (
+    DomainTextTask,
+    documents_as_units,
+    from_builtin,
+    from_document_files,
+    from_enron,
+    from_user_documents,
+    require_paths,
+)
 from dpmix_jax.privacy import accounting
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.engine import TrainState, split_model
@@ -80,180 +70,19 @@ Level = Literal["user", "example"]
 TokenizerKind = Literal["bpe", "gpt2"]
 Split = Literal["train", "val", "test"]
 
-
-# ------------------------------------------------------------------------------------------
-# The task and its adapters
-# ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DomainTextTask:
-    """k public text domains and a sensitive corpus split by user into train, val and test.
-
-    Attributes:
-        name: for reports.
-        public_domains: domain name -> public documents (k >= 2 domains, none empty).
-        train, val, test: sensitive documents with their users; no user is in two splits.
-        true_weights: the population mixture over the domains that generated the sensitive
-            documents, when known (the embedded default), for scoring λ.
-    """
-
-    name: str
-    public_domains: Mapping[str, Sequence[str]]
-    train: UserDocuments
-    val: UserDocuments
-    test: UserDocuments
-    true_weights: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if len(self.public_domains) < 2:
-            raise ValueError(f"need at least 2 public domains, got {len(self.public_domains)}.")
-        empty = [name for name, docs in self.public_domains.items() if not docs]
-        if empty:
-            raise ValueError(f"public domains {empty} have no documents.")
-        for split in ("train", "val", "test"):
-            if len(getattr(self, split)) == 0:
-                raise ValueError(f"the sensitive {split} split has no documents.")
-        names = {s: _present_users(getattr(self, s)) for s in ("train", "val", "test")}
-        for a, b in (("train", "val"), ("train", "test"), ("val", "test")):
-            if shared := names[a] & names[b]:
-                raise ValueError(
-                    f"{len(shared)} users are in both the {a} and {b} splits (e.g. "
-                    f"{sorted(shared)[0]!r}); the splits must be user-disjoint."
-                )
-        if self.true_weights is not None and np.shape(self.true_weights) != (self.k,):
-            raise ValueError(
-                f"true_weights must have shape ({self.k},), got {np.shape(self.true_weights)}."
-            )
-
-    @property
-    def domain_names(self) -> tuple[str, ...]:
-        return tuple(self.public_domains)
-
-    @property
-    def k(self) -> int:
-        return len(self.public_domains)
-
-
-def _present_users(documents: UserDocuments) -> set[str]:
-    return {documents.users[u] for u in np.unique(documents.user_ids)}
-
-
-def documents_as_units(texts: Sequence[str]) -> UserDocuments:
-    """Documents without authors, each its own unit (example-level tasks such as OpenWebMath)."""
-    return UserDocuments(
-        texts=tuple(texts),
-        user_ids=np.arange(len(texts), dtype=np.int64),
-        users=tuple(f"doc{i}" for i in range(len(texts))),
-    )
-
-
-def from_user_documents(
-    documents: UserDocuments,
-    public_domains: Mapping[str, Sequence[str]],
-    *,
-    name: str,
-    split_fractions: tuple[float, float, float] = (0.6, 0.2, 0.2),
-    seed: int = 0,
-    true_weights: np.ndarray | None = None,
-) -> DomainTextTask:
-    """A task from a sensitive corpus: its users are split into train, val and test by `seed`.
-
-    Privacy: the split is a seeded permutation of users (data-independent), so the test users'
-    documents never reach a training stage.
-    """
-    if len(split_fractions) != 3:
-        raise ValueError(f"split_fractions must be (train, val, test), got {split_fractions!r}.")
-    train, val, test = documents.split_by_user(split_fractions, seed=seed)
-    return DomainTextTask(
-        name=name,
-        public_domains={k: tuple(v) for k, v in public_domains.items()},
-        train=train,
-        val=val,
-        test=test,
-        true_weights=None if true_weights is None else np.asarray(true_weights, np.float64),
-    )
-
-
-def from_builtin(
-    task: builtin.TextMixtureTask,
-    *,
-    split_fractions: tuple[float, float, float] = (0.6, 0.2, 0.2),
-    seed: int = 0,
-) -> DomainTextTask:
-    """The embedded text default (`data.builtin.load_text_mixture_task`) as a pipeline task;
-    `true_weights` is its population mixture."""
-    return from_user_documents(
-        task.sensitive,
-        task.public_domains,
-        name=f"e-mail users over {len(task.domain_names)} text domains (embedded)",
-        split_fractions=split_fractions,
-        seed=seed,
-        true_weights=task.population_weights,
-    )
-
-
-def from_enron(
-    enron_root: str | os.PathLike,
-    public_root: str | os.PathLike,
-    *,
-    domains: Sequence[str] | None = None,
-    max_public_documents: int | None = None,
-    split_fractions: tuple[float, float, float] = (0.6, 0.2, 0.2),
-    seed: int = 0,
-) -> DomainTextTask:
-    """Enron sent mail (user level) against public domain folders (Common Pile layout).
-
-    Args:
-        enron_root: the CMU `maildir` (or its parent); see `data.text.load_enron`.
-        public_root: one sub-folder of `.jsonl[.gz]`/`.parquet` files per domain.
-        domains: which domain folders (default: all).
-        max_public_documents: cap per domain.
-        split_fractions, seed: the user split into train, val and test.
-    """
-    _require_paths({"Enron maildir": enron_root, "public domain folder": public_root})
-    return from_user_documents(
-        load_enron(enron_root),
-        load_domains(public_root, domains=domains, max_documents_per_domain=max_public_documents),
-        name="Enron sent mail",
-        split_fractions=split_fractions,
-        seed=seed,
-    )
-
-
-def from_document_files(
-    path: str | os.PathLike,
-    public_root: str | os.PathLike,
-    *,
-    name: str = "OpenWebMath",
-    max_documents: int | None = 50_000,
-    domains: Sequence[str] | None = None,
-    max_public_documents: int | None = None,
-    split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
-    seed: int = 0,
-) -> DomainTextTask:
-    """Sensitive documents without authors (OpenWebMath `.parquet`/`.jsonl` files), each its own
-    unit (example level), against public domain folders."""
-    _require_paths({f"{name} documents": path, "public domain folder": public_root})
-    texts = list(iter_documents(path, max_documents=max_documents))
-    return from_user_documents(
-        documents_as_units(texts),
-        load_domains(public_root, domains=domains, max_documents_per_domain=max_public_documents),
-        name=name,
-        split_fractions=split_fractions,
-        seed=seed,
-    )
-
-
-def _require_paths(paths: Mapping[str, str | os.PathLike | None]) -> None:
-    """ValueError naming every missing path (None entries are not required)."""
-    missing = [
-        f"{what}: {path}"
-        for what, path in paths.items()
-        if path is not None and not os.path.exists(path)
-    ]
-    if missing:
-        raise ValueError("missing input paths (nothing is downloaded): " + "; ".join(missing))
+__all__ = [
+    "DomainTextTask",
+    "LanguageModelSpec",
+    "Level",
+    "TextPipeline",
+    "TextPipelineConfig",
+    "documents_as_units",
+    "from_builtin",
+    "from_document_files",
+    "from_enron",
+    "from_user_documents",
+    "require_paths",
+]
 
 
 # ------------------------------------------------------------------------------------------
@@ -285,7 +114,7 @@ class LanguageModelSpec:
         config = dataclasses.replace(self.config, vocab_size=vocab_size)
         if self.weights is None or not load:
             return GPT2(config, rngs=nnx.Rngs(seed))
-        _require_paths({"GPT-2 weights": self.weights})
+        require_paths({"GPT-2 weights": self.weights})
         return GPT2.from_pretrained(self.weights, config=config)
 
 
@@ -304,6 +133,9 @@ class TextPipelineConfig:
         proxy_model: the per-domain proxy LM.
         model: the downstream LM.
         proxy: public training of each proxy (rows of `proxy_model.seq_len` tokens).
+        shared_proxies: train the k proxies once (seed 0, under `root/proxies`) and use them for
+            every seed, instead of a proxy set per seed. They see public data only, so sharing
+            costs no privacy; seeds then vary everything but the proxies.
         mixture: the DP-MixMin stage (`max_examples_per_user` is G at user level).
         pretrain: public pretraining on the λ-mixture of documents.
         finetune: private fine-tuning (`level` and G as above); its `epsilon` and `delta` are
@@ -324,6 +156,7 @@ class TextPipelineConfig:
     proxy_model: LanguageModelSpec
     model: LanguageModelSpec
     proxy: TrainConfig
+    shared_proxies: bool = False
     mixture: common.MixtureConfig
     pretrain: TrainConfig
     finetune: TrainConfig
@@ -395,17 +228,15 @@ def _row_gather(tokens: np.ndarray, mask: np.ndarray) -> Callable[[np.ndarray], 
 
 def _scored_documents(token_lists: Sequence[Sequence[int]], *, seq_len: int, eos_id: int):
     """One document per row of `seq_len`: end-of-text, then its first seq_len - 1 tokens, so
-    every kept token is scored (`losses.sequence_log_prob` skips position 0)."""
+    every kept token is scored (`losses.sequence_log_prob` skips position 0).
+
+    Privacy: a fixed per-document map (no privacy cost); on sensitive documents its rows are read
+    only by accounted stages or evaluation.
+    """
     layout = document_tokens(token_lists, max_len=seq_len - 1, eos_id=eos_id)
     column = np.ones((len(token_lists), 1), dtype=bool)
     tokens = np.concatenate([np.full_like(column, eos_id, dtype=np.int32), layout.targets], 1)
     return tokens, np.concatenate([column, layout.mask], axis=1), layout.token_counts
-
-
-def _derived_seed(seed: int, *names: object) -> int:
-    """A 32-bit seed for one named use of the run seed (a different stream per name)."""
-    text = "/".join(str(n) for n in (seed, *names))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
 
 
 # ------------------------------------------------------------------------------------------
@@ -413,7 +244,7 @@ def _derived_seed(seed: int, *names: object) -> int:
 # ------------------------------------------------------------------------------------------
 
 
-class TextPipeline:
+class TextPipeline(common.MixturePipeline):
     """DP-MixMin and its baselines on one `DomainTextTask`, with stages stored under `root`.
 
     Args:
@@ -423,9 +254,6 @@ class TextPipeline:
             seed).
         on_stage: called with a stage name whenever a stage is computed (not when it is loaded);
             for progress reports and tests.
-        compilation_cache: point JAX's persistent compilation cache at `root/xla_cache` when no
-            cache directory is configured (process-wide; fine-tuning runs with equal shapes and σ
-            then compile once).
     """
 
     def __init__(
@@ -435,7 +263,6 @@ class TextPipeline:
         root: str | pathlib.Path,
         *,
         on_stage: Callable[[str], None] | None = None,
-        compilation_cache: bool = True,
     ):
         self.task = task
         self.config = config
@@ -443,8 +270,12 @@ class TextPipeline:
         self._on_stage = on_stage or (lambda name: None)
         self._trainers: dict[str, Trainer] = {}
         self._encoded: dict[str, list[list[int]]] = {}
-        if compilation_cache and jax.config.jax_compilation_cache_dir is None:
-            jax.config.update("jax_compilation_cache_dir", str(self.root.absolute() / "xla_cache"))
+
+    higher_is_better = False
+
+    @property
+    def k(self) -> int:
+        return self.task.k
 
     # ------------------------------------------------------------------ tokens
     @functools.cached_property
@@ -470,7 +301,10 @@ class TextPipeline:
         ]
 
     def _tokens(self, split: Split) -> list[list[int]]:
-        """Token ids of a sensitive split's documents (empty documents get one end-of-text)."""
+        """Token ids of a sensitive split's documents (empty documents get one end-of-text).
+
+        Privacy: a per-document map with a tokenizer fitted on public text only.
+        """
         if split not in self._encoded:
             encoded = self.tokenizer.encode_batch(list(getattr(self.task, split).texts))
             self._encoded[split] = [ids or [self.tokenizer.eos_id] for ids in encoded]
@@ -478,7 +312,10 @@ class TextPipeline:
 
     def _packed_rows(self, split: Split, rows: np.ndarray, seq_len: int):
         """The documents at `rows` packed per unit (user, or document at example level) into
-        rows of `seq_len`: `(tokens, mask, unit id per row)`; no row mixes two units."""
+        rows of `seq_len`: `(tokens, mask, unit id per row)`.
+
+        Privacy: no row mixes two units, so a unit's rows are exactly its contribution.
+        """
         documents = getattr(self.task, split)
         tokens = self._tokens(split)
         packed = pack_sequences(
@@ -490,12 +327,13 @@ class TextPipeline:
         return packed.tokens, packed.mask, packed.group_ids
 
     # ------------------------------------------------------------------ stages
-    def _store(self, seed: int) -> common.StageStore:
-        return common.StageStore(self.root / f"seed{seed}")
-
     def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Disjoint (D_mix, D_ft) positions of the sensitive train split, user-disjoint at user
-        level; with sequential composition both are the whole split."""
+        level; with sequential composition both are the whole split.
+
+        Privacy: a seeded permutation of users (documents), independent of their content, so the
+        two parts' stages compose in parallel under the level's neighbouring relation.
+        """
         if self.config.composition == "sequential":
             everything = np.arange(len(self.task.train))
             return everything, everything
@@ -522,33 +360,44 @@ class TextPipeline:
             self._trainers[name] = Trainer(config, model, loss)
         return self._trainers[name]
 
-    def _fit_public(self, stage: str, name: str, seed: int, trainer: Trainer, model, data) -> GPT2:
-        """Trains `model` with the shared `trainer`, checkpointed under `seed{seed}/name`."""
-        checkpointer = Checkpointer(self._store(seed).path(name))
+    def _fit_public(
+        self, stage: str, directory: pathlib.Path, seed: int, trainer: Trainer, model, data
+    ) -> GPT2:
+        """Trains `model` with the shared `trainer`, checkpointed in `directory`."""
+        checkpointer = Checkpointer(directory)
         if checkpointer.latest_step() != trainer.config.steps:
             self._on_stage(stage)
         _, params, _, _ = split_model(model)
         start = TrainState(jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params))
-        rng = np.random.default_rng(_derived_seed(seed, name))
+        rng = np.random.default_rng(common.derived_seed(seed, directory.name))
         result = fit(trainer, data, rng=rng, state=start, checkpointer=checkpointer)
         checkpointer.close()
         return result.model
 
     def proxies(self, seed: int) -> list[GPT2]:
-        """One proxy LM per public domain, trained on that domain's documents only."""
+        """One proxy LM per public domain, trained on that domain's documents only (the seed's
+        own set, or with `shared_proxies` the set of seed 0 under `root/proxies`)."""
+        if self.config.shared_proxies:
+            seed, store = 0, common.StageStore(self.root / "proxies")
+        else:
+            store = self._store(seed)
         spec = self.config.proxy_model
         trainer = self._public_trainer("proxy", self.config.proxy, spec)
         eos = self.tokenizer.eos_id
         models = []
-        for index, (name, tokens) in enumerate(
-            zip(self.task.domain_names, self._public_tokens, strict=True)
+        for index, (domain, tokens) in enumerate(
+            zip(self.task.source_names, self._public_tokens, strict=True)
         ):
             packed = pack_sequences(tokens, seq_len=spec.seq_len, eos_id=eos)
             data = IndexedData(
                 gather=_row_gather(packed.tokens, packed.mask), num_examples=len(packed.tokens)
             )
-            model = spec.build(self.tokenizer.vocab_size, seed=_derived_seed(seed, "proxy", name))
-            models.append(self._fit_public("proxy", f"proxy_{index}", seed, trainer, model, data))
+            model = spec.build(
+                self.tokenizer.vocab_size, seed=common.derived_seed(seed, "proxy", domain)
+            )
+            models.append(
+                self._fit_public("proxy", store.path(f"proxy_{index}"), seed, trainer, model, data)
+            )
         return models
 
     def proxy_outputs(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -582,6 +431,10 @@ class TextPipeline:
         return np.asarray(stored["log_probs"]), np.asarray(stored["token_counts"])
 
     def _mixture_users(self, seed: int) -> np.ndarray | None:
+        """User id of each D_mix document at user level (the unit `dp_mixmin` samples), else None.
+
+        Privacy: user ids only decide the grouping, which is what user-level DP protects.
+        """
         mix, _ = self.split(seed)
         return np.asarray(self.task.train.user_ids)[mix] if self.config.level == "user" else None
 
@@ -608,7 +461,7 @@ class TextPipeline:
                 batch_size=mix_config.batch_size,
                 clip_norm=mix_config.clip_norm,
                 learning_rate=mix_config.learning_rate,
-                seed=_derived_seed(seed, "mixture", f"{epsilon:g}"),
+                seed=common.derived_seed(seed, "mixture", f"{epsilon:g}"),
                 solver=mix_config.solver,
                 shift=mix_config.shift,
                 accountant=mix_config.accountant,
@@ -629,7 +482,10 @@ class TextPipeline:
         return np.asarray(stored["weights"]), common.budget_from_json(stored["spent"])
 
     def nonprivate_weights(self, seed: int) -> np.ndarray:
-        """λ by exact MixMin on D_mix. NOT private: the upper-bound baseline only."""
+        """λ by exact MixMin on D_mix.
+
+        Privacy: NOT private (no clipping, no noise): the labelled upper-bound baseline only.
+        """
 
         def compute():
             log_probs, counts = self.proxy_outputs(seed)
@@ -651,8 +507,8 @@ class TextPipeline:
         spec = self.config.model
         vocab = self.tokenizer.vocab_size
         if weights is None:
-            return spec.build(vocab, seed=_derived_seed(seed, "model"), load=False)
-        model = spec.build(vocab, seed=_derived_seed(seed, "model"))
+            return spec.build(vocab, seed=common.derived_seed(seed, "model"), load=False)
+        model = spec.build(vocab, seed=common.derived_seed(seed, "model"))
         data = PackedMixture(
             self._public_tokens,
             weights,
@@ -662,13 +518,16 @@ class TextPipeline:
         )
         trainer = self._public_trainer("pretrain", self.config.pretrain, spec)
         name = f"pretrain_{common.weights_key(weights)}"
-        return self._fit_public(name, name, seed, trainer, model, data.batch)
+        directory = self._store(seed).path(name)
+        return self._fit_public(name, directory, seed, trainer, model, data.batch)
 
     def _finetune_data(self, rows: np.ndarray) -> tuple[IndexedData, int]:
         """Train documents at `rows` as fine-tuning data, and the number of privacy units.
 
         User level: each user's documents packed into rows of their own (`user_ids` per row).
         Example level: one row per document (its first tokens), so a unit is one row.
+
+        Privacy: the rows are read only by the accounted DP-SGD of `finetune`.
         """
         seq_len, eos = self.config.model.seq_len, self.tokenizer.eos_id
         if self.config.level == "user":
@@ -709,16 +568,20 @@ class TextPipeline:
             losses.next_token_nll(mask_key="mask"),
             trainable_mask=None if last is None else trainable_mask(init, last_n_blocks=last),
             num_units=num_units,
-            noise_key=jax.random.key(_derived_seed(seed, name)),
+            noise_key=jax.random.key(common.derived_seed(seed, name)),
         )
-        rng = np.random.default_rng(_derived_seed(seed, name, "sampler"))
+        rng = np.random.default_rng(common.derived_seed(seed, name, "sampler"))
         result = fit(trainer, data, rng=rng, checkpointer=checkpointer)
         checkpointer.close()
         return result.model, result.ledger.budget(self.config.delta, config.accountant)
 
-    def perplexity(self, model: GPT2, split: Split) -> float:
+    def utility(self, model: GPT2, split: Split) -> float:
         """Perplexity of the LM on a sensitive split's documents, packed per unit (test or
-        validation users). Evaluation only, not released."""
+        validation users).
+
+        Privacy: evaluation on held-out users; not accounted, so releasing it (or choosing by it,
+        as random search does on validation users) is not covered by the run's ε.
+        """
         documents = getattr(self.task, split)
         tokens, mask, _ = self._packed_rows(
             split, np.arange(len(documents)), self.config.model.seq_len
@@ -728,82 +591,4 @@ class TextPipeline:
             _row_gather(tokens, mask),
             len(tokens),
             batch_size=self.config.eval_batch_size,
-        )
-
-    # ------------------------------------------------------------------ methods
-    def run(self, method: common.Method, epsilon: float, seed: int) -> common.RunResult:
-        """One method at target ε (end to end) and one seed; stored, so a rerun is free."""
-        accounting.check_epsilon(epsilon)
-        if method not in common.METHODS:
-            raise ValueError(f"method must be one of {common.METHODS}, got {method!r}.")
-        name = f"run_{method}_{self.config.composition}_eps{epsilon:g}"
-        stored = self._store(seed).json(name, lambda: self._run(method, epsilon, seed).to_json())
-        return _result_from_json(stored, self.config.delta)
-
-    def _run(self, method: str, epsilon: float, seed: int) -> common.RunResult:
-        delta, composition = self.config.delta, self.config.composition
-        if method == "random_search":
-            return self._random_search(epsilon, seed)
-        if method == "dp_mixmin":
-            mix_epsilon, ft_epsilon = common.stage_epsilons(
-                epsilon, composition, self.config.sequential_mixture_share
-            )
-            weights, mix_budget = self.mixture(mix_epsilon, seed)
-            part = "ft"
-        else:
-            mix_budget, ft_epsilon = None, epsilon
-            part = "all"
-            weights = {
-                "uniform": np.full(self.task.k, 1.0 / self.task.k),
-                "random_init": None,
-                "nonprivate_mixmin": (
-                    self.nonprivate_weights(seed) if method == "nonprivate_mixmin" else None
-                ),
-            }[method]
-        init = self.pretrained(weights, seed)
-        model, ft_budget = self.finetune(init, common.weights_key(weights), part, ft_epsilon, seed)
-        stages = {"finetune": ft_budget}
-        if mix_budget is not None:
-            stages["mixture"] = mix_budget
-        return common.RunResult(
-            method=method,
-            epsilon=epsilon,
-            delta=delta,
-            seed=seed,
-            utility=self.perplexity(model, "test"),
-            weights=None if weights is None else [float(w) for w in weights],
-            spent=common.end_to_end_budget(stages, composition),
-            stages=stages,
-            composition=composition,
-            private=method != "nonprivate_mixmin",
-        )
-
-    def _random_search(self, epsilon: float, seed: int) -> common.RunResult:
-        candidates = common.dirichlet_candidates(
-            self.task.k, self.config.random_search_candidates, seed=seed
-        )
-        scored = []
-        for weights in candidates:
-            init = self.pretrained(weights, seed)
-            model, budget = self.finetune(init, common.weights_key(weights), "ft", epsilon, seed)
-            scored.append((self.perplexity(model, "val"), weights, model, budget))
-        val_ppl, weights, model, _ = min(scored, key=lambda item: item[0])
-        # All m candidates were fine-tuned on the same D_ft: what ran is their sequential
-        # composition, and the selection on validation data is not accounted at all.
-        spent = accounting.compose_sequential(*(s[3] for s in scored))
-        return common.RunResult(
-            method="random_search",
-            epsilon=epsilon,
-            delta=self.config.delta,
-            seed=seed,
-            utility=self.perplexity(model, "test"),
-            weights=[float(w) for w in weights],
-            spent=spent,
-            stages={"finetune": spent},
-            composition=self.config.composition,
-            private=False,
-            extra={
-                "validation_perplexities": [s[0] for s in scored],
-                "selected_validation_perplexity": val_ppl,
-            },
         )

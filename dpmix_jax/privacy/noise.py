@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
@@ -43,12 +44,18 @@ class GaussianNoiseState(NamedTuple):
 
 
 def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
-    """A pytree shaped like `like` of independent N(0, stddev²) draws (float32 before the cast)."""
+    """A pytree shaped like `like` of independent N(0, stddev²) draws (float32 before the cast).
+
+    One flat draw covers every leaf: a draw per leaf would compile one random-number kernel per
+    parameter array (seconds for a GPT-2).
+    """
     leaves, treedef = jax.tree.flatten(like)
-    keys = jax.random.split(key, len(leaves))
+    sizes = [leaf.size for leaf in leaves]
+    flat = stddev * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if leaves else []
     noise = [
-        (stddev * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
-        for k, leaf in zip(keys, leaves, strict=True)
+        part.reshape(leaf.shape).astype(leaf.dtype)
+        for part, leaf in zip(parts, leaves, strict=True)
     ]
     return jax.tree.unflatten(treedef, noise)
 

@@ -11,6 +11,7 @@ API:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ def model_outputs(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
     graphdef, state = nnx.split(model)
-    run = jax.jit(lambda s, b: apply(nnx.merge(graphdef, s), b))
+    run = _compiled(graphdef, apply)
     parts = []
     for start in range(0, num_examples, batch_size):
         indices = np.arange(start, start + batch_size)
@@ -52,6 +53,34 @@ def model_outputs(
         parts.append(jax.device_get(run(state, batch)))
     outputs = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
     return jax.tree.map(lambda x: x[:num_examples], outputs)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(graphdef: Any, apply: Apply) -> Callable:
+    # One jitted function per (model structure, apply): every evaluation of a model of the same
+    # structure reuses the compiled program instead of tracing a fresh closure.
+    return jax.jit(lambda state, batch: apply(nnx.merge(graphdef, state), batch))
+
+
+@functools.cache
+def outputs_and_labels(input_key: str = "inputs", label_key: str = "labels") -> Apply:
+    """`apply(model, batch) -> (model(batch[input_key]), batch[label_key])`, one object per keys
+    (so `model_outputs` compiles it once)."""
+    return lambda model, batch: (model(batch[input_key]), batch[label_key])
+
+
+@functools.cache
+def sequence_scores(tokens_key: str = "tokens", mask_key: str | None = "mask") -> Apply:
+    """`apply(model, batch) -> (total log-prob, scored tokens)` per sequence of a language model
+    (`losses.sequence_log_prob`), one object per keys."""
+
+    def apply(model, batch):
+        tokens = batch[tokens_key]
+        mask = batch.get(mask_key) if mask_key is not None else None
+        logits = model(tokens) if mask is None else model(tokens, attention_mask=mask)
+        return sequence_log_prob(logits, tokens, mask)
+
+    return apply
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -111,11 +140,7 @@ def auc_report(
 ) -> dict[str, float]:
     """`{"auc/<t>": AUC of task t, "macro_auc": ...}` for a multi-label classifier's logits."""
     logits, labels = model_outputs(
-        model,
-        lambda m, b: (m(b[input_key]), b[label_key]),
-        gather,
-        num_examples,
-        batch_size=batch_size,
+        model, outputs_and_labels(input_key, label_key), gather, num_examples, batch_size=batch_size
     )
     logits, labels = logits.reshape(num_examples, -1), labels.reshape(num_examples, -1)
     aucs = per_task_auc(logits, labels)
@@ -134,13 +159,7 @@ def perplexity(
     mask_key: str | None = "mask",
 ) -> float:
     """exp(total next-token NLL / number of scored tokens) over the whole data set."""
-
-    def apply(m, batch):
-        tokens = batch[tokens_key]
-        mask = batch.get(mask_key) if mask_key is not None else None
-        logits = m(tokens) if mask is None else m(tokens, attention_mask=mask)
-        return sequence_log_prob(logits, tokens, mask)
-
+    apply = sequence_scores(tokens_key, mask_key)
     log_prob, count = model_outputs(model, apply, gather, num_examples, batch_size=batch_size)
     if count.sum() == 0:
         raise ValueError("no scored token (every sequence is shorter than two tokens).")

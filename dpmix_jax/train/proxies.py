@@ -124,7 +124,7 @@ def image_proxy_outputs(
     """
     logits, targets = evaluate.model_outputs(
         model,
-        lambda m, b: (m(b[input_key]), b[target_key]),
+        evaluate.outputs_and_labels(input_key, target_key),
         gather,
         num_examples,
         batch_size=batch_size,
@@ -149,12 +149,7 @@ def sequence_proxy_outputs(
     if not models:
         raise ValueError("need at least one proxy model.")
 
-    def apply(model, batch):
-        tokens = batch[tokens_key]
-        mask = batch.get(mask_key) if mask_key is not None else None
-        logits = model(tokens) if mask is None else model(tokens, attention_mask=mask)
-        return losses.sequence_log_prob(logits, tokens, mask)
-
+    apply = evaluate.sequence_scores(tokens_key, mask_key)
     columns, counts = [], None
     for model in models:
         log_prob, counts = evaluate.model_outputs(

@@ -1,0 +1,102 @@
+"""Enron (user level) and, through `experiments.openwebmath`, OpenWebMath (example level): DP-MixMin
+against its baselines on text, one comparison per ρ. See `experiments/configs/enron.py`.
+
+    python -m experiments.enron --preset cpu --out DIR
+
+Writes, per ρ, `rho<ρ>/results.json`, `results.md` and plots (`pipeline.compare`), and at the top
+`results.md` (all tables) and `timing.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import time
+from types import ModuleType
+
+from dpmix_jax.pipeline import run_comparison
+from dpmix_jax.pipeline.common import use_compilation_cache
+from dpmix_jax.pipeline.text import (
+    DomainTextTask,
+    TextPipeline,
+    from_document_files,
+    from_enron,
+    require_paths,
+)
+from dpmix_jax.pipeline.text_presets import text_task
+from experiments.configs import enron as configs
+from experiments.configs.enron import TextExperimentConfig
+
+
+def build_task(config: TextExperimentConfig) -> DomainTextTask:
+    """The experiment's data: the embedded default, Enron, or OpenWebMath files."""
+    require_paths(config.input_paths())
+    if config.data == "builtin":
+        return text_task(level=config.pipeline.level)
+    public = dict(
+        domains=config.public_domains,
+        max_public_documents=config.max_public_documents,
+        split_fractions=config.split_fractions,
+    )
+    if config.data == "enron":
+        return from_enron(config.enron_root, config.public_root, **public)
+    return from_document_files(
+        config.documents_path, config.public_root, max_documents=config.max_documents, **public
+    )
+
+
+def main(config: TextExperimentConfig, out_dir: str | pathlib.Path) -> dict:
+    """Runs the comparison for every ρ; returns `{ρ: results.json content}`.
+
+    Every input path (data, weights) is checked first: a missing one is a ValueError naming it,
+    before anything is trained.
+    """
+    out_dir = pathlib.Path(out_dir)
+    start = time.time()
+    task = build_task(config)
+    use_compilation_cache(out_dir / "xla_cache")
+    results, tables = {}, []
+    for rho in config.mix_fractions:
+        pipeline_config = dataclasses.replace(config.pipeline, mix_fraction=rho)
+        run_dir = out_dir / f"rho{rho:g}"
+        results[rho] = run_comparison(
+            TextPipeline(task, pipeline_config, run_dir / "stages"),
+            dataset=f"{task.name}, ρ = {rho:g}",
+            metric="test perplexity",
+            higher_is_better=False,
+            methods=config.methods,
+            epsilons=config.epsilons,
+            seeds=config.seeds,
+            out_dir=run_dir,
+            true_weights=task.true_weights,
+        )
+        tables.append((run_dir / "results.md").read_text())
+    seconds = time.time() - start
+    (out_dir / "results.md").write_text("\n".join(tables))
+    (out_dir / "timing.json").write_text(json.dumps({"seconds": seconds}))
+    return results
+
+
+def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
+    """`--preset cpu|paper --out DIR [--data-root DIR --weights-root DIR]`."""
+    parser = argparse.ArgumentParser(description=(configs_module.__doc__ or "").splitlines()[0])
+    parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
+    parser.add_argument("--out", required=True, type=pathlib.Path)
+    parser.add_argument("--data-root", default="data", help="paper preset: the data folder")
+    parser.add_argument("--weights-root", default="weights", help="paper preset: GPT-2 weights")
+    args = parser.parse_args(argv)
+    config = configs_module.get_config(
+        args.preset, data_root=args.data_root, weights_root=args.weights_root
+    )
+    try:
+        require_paths(config.input_paths())
+    except ValueError as err:
+        raise SystemExit(f"error: {err} (see {configs_module.__name__})") from err
+    main(config, args.out)
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    cli(configs)
