@@ -1,4 +1,4 @@
-"""Ghost clipping equals the vmap clipped sum and per-example norms, on small layers and models."""
+"""Book-keeping ghost clipping equals the vmap clipped sum and norms, on small layers and models."""
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +39,8 @@ class DenseEmbedConv(nnx.Module):
         self.conv = nnx.Linear(6, 4, rngs=rngs)
         self.ln = nnx.LayerNorm(4, rngs=rngs)
         self.gn = nnx.GroupNorm(4, num_groups=2, rngs=rngs)
-        self.wide = nnx.Linear(4, 40, rngs=rngs)  # T² < d_in·d_out: Gram form
-        self.out = nnx.Linear(40, 3, use_bias=False, rngs=rngs)
+        self.wide = nnx.Linear(4, 40, rngs=rngs)  # T·(4 + 40) > 4·40: per-example form
+        self.out = nnx.Linear(40, 24, use_bias=False, rngs=rngs)  # T·(40 + 24) <= 40·24: Gram
 
     def __call__(self, ids):
         h = self.gn(self.ln(self.conv(self.embed(ids))))
@@ -60,18 +60,81 @@ def test_dense_embedding_norm_layers_match_vmap():
     assert float(stats["grad_norm"].min()) > 0.3  # every example is clipped: clipping matters
 
 
-def test_direct_outer_product_path_matches_vmap():
-    # T = 40 positions, d_in·d_out = 6: the per-example outer product is cheaper than Gram.
-    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+@pytest.mark.parametrize(("positions", "width"), [(40, 3), (2, 8)])
+def test_per_example_and_gram_forms_match_vmap(positions, width):
+    # T·(d_in + d_out) > d_in·d_out: per-example gradients (40·5 > 6), else Gram (2·16 <= 64).
+    model = nnx.Linear(width, width - 1 if width == 3 else width, rngs=nnx.Rngs(0))
     loss = lambda m, b: jnp.sum(jnp.sin(m(b["x"])), axis=(1, 2))
-    batch = {"x": jax.random.normal(jax.random.key(2), (4, 40, 3))}
-    _compare(model, loss, batch, jnp.ones(4, bool), clip_norm=1.0)
+    batch = {"x": jax.random.normal(jax.random.key(2), (4, positions, width))}
+    _compare(model, loss, batch, jnp.array([True, True, False, True]), clip_norm=0.5)
+
+
+class FloatNet(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(5, 6, rngs=rngs)
+        self.ln = nnx.LayerNorm(6, rngs=rngs)
+        self.gn = nnx.GroupNorm(6, num_groups=2, rngs=rngs)
+        self.head = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.gn(self.ln(self.fc(x))))).mean(axis=1)
+
+
+def test_non_finite_and_padded_rows_of_a_model_contribute_zero():
+    model = FloatNet(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    x = jax.random.normal(jax.random.key(4), (5, 7, 5))
+    x = x.at[1, 2, 0].set(jnp.inf).at[3].set(jnp.nan).at[4].set(1e30)
+    batch = {"x": x, "y": jnp.arange(5) % 3}
+    mask = jnp.array([True, True, True, False, False])  # row 1 is kept but not finite
+    stats = _compare(model, _cls_loss, batch, mask, clip_norm=0.1)
+    assert not np.isfinite(stats["grad_norm"][1])
+    grad_sum = model_clipped_grad_sum(model, _cls_loss, clip_norm=0.1, method="ghost")
+    grad_sum = jax.jit(grad_sum.function)
+    total, _ = grad_sum(params, batch, mask)
+    good = jax.tree.map(lambda a: a[jnp.array([0, 2])], batch)
+    expected, _ = grad_sum(params, good, jnp.ones(2, bool))
+    _assert_trees_close(total, expected, rtol=1e-6, atol=1e-7)
+    nothing, _ = grad_sum(params, batch, jnp.array([False, True, False, False, False]))
+    assert all(float(jnp.abs(leaf).sum()) == 0.0 for leaf in jax.tree.leaves(nothing))
+
+
+@pytest.mark.parametrize(("channels", "features"), [(8, 16), (2, 3)])
+def test_conv_layouts_and_forms_match_vmap(channels, features):
+    # NCHW input, OIHW kernel of size (3, 2), strides (2, 1), "SAME" padding, bias; T = 3·4 = 12
+    # output positions. (8, 16): T·(48 + 16) <= 48·16, Gram of patches; (2, 3): per-example form.
+    dims = ("NCHW", "OIHW", "NCHW")
+
+    def loss_fn(params, batch, tape):
+        x = batch["x"]
+        y = jax.lax.conv_general_dilated(x, params["k"], (2, 1), "SAME", dimension_numbers=dims)
+        y = y + params["b"][:, None, None]
+        y = tape.conv("c", x, y, kernel="k", kernel_size=(3, 2), strides=(2, 1), padding="SAME",
+                      dimension_numbers=dims, bias="b")  # fmt: skip
+        return jnp.sum(jnp.sin(y) * batch["t"], axis=(1, 2, 3))
+
+    keys = jax.random.split(jax.random.key(5), 4)
+    params = {"k": jax.random.normal(keys[0], (features, channels, 3, 2)),
+              "b": jax.random.normal(keys[1], (features,))}  # fmt: skip
+    batch = {"x": jax.random.normal(keys[2], (4, channels, 6, 4)),
+             "t": jax.random.normal(keys[3], (4, features, 3, 4))}  # fmt: skip
+    mask = jnp.array([True, False, True, True])
+    total, stats = jax.jit(ghost_clipped_grad_sum(loss_fn, clip_norm=1.0).function)(
+        params, batch, mask
+    )
+    ref_total, ref_stats = clipped_grad_sum(
+        lambda p, ex: loss_fn(p, jax.tree.map(lambda a: a[None], ex), Tape())[0], clip_norm=1.0
+    )(params, batch, mask)
+    np.testing.assert_allclose(stats["grad_norm"], ref_stats["grad_norm"], rtol=1e-4)
+    assert float(stats["grad_norm"].min()) > 1.0
+    _assert_trees_close(total, ref_total)
 
 
 @pytest.mark.slow
 def test_conv_and_group_norm_resnet_matches_vmap():
     model = ResNet(ResNetConfig.tiny(), 5, rngs=nnx.Rngs(0))
-    batch = {"x": jax.random.normal(jax.random.key(1), (4, 12, 12, 3)), "y": jnp.arange(4) % 5}
+    x = jax.random.normal(jax.random.key(1), (4, 12, 12, 3)).at[3, 0, 0, 0].set(jnp.nan)
+    batch = {"x": x, "y": jnp.arange(4) % 5}
     _compare(model, _cls_loss, batch, jnp.array([True, True, True, False]), clip_norm=1.0)
 
 
@@ -128,6 +191,27 @@ def test_non_finite_and_padded_rows_contribute_zero():
     np.testing.assert_allclose(total["w"], only_first["w"], rtol=1e-6)
     nothing, _ = grad_sum(params, {"x": x[1:2]}, jnp.array([True]))
     assert float(jnp.abs(nothing["w"]).sum()) == 0.0
+
+
+def test_one_differentiated_pass_and_every_parameter_reported():
+    calls = []
+
+    def loss_fn(params, batch, tape):
+        calls.append(1)
+        y = tape.linear("fc", batch["x"], batch["x"] @ params["w"] + params["b"], kernel="w")
+        return jnp.sum(y**2, axis=-1)
+
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+    batch, mask = {"x": jnp.ones((3, 2))}, jnp.ones(3, bool)
+    with pytest.raises(ValueError, match=r"\[b\] were not reported"):
+        ghost_clipped_grad_sum(loss_fn, clip_norm=1.0)(params, batch, mask)
+    assert len(calls) == 2  # a shape probe and the one differentiated pass; no second backward
+
+    def wrong_key(params, batch, tape):
+        return jnp.sum(tape.linear("fc", batch["x"], batch["x"] @ params["w"], kernel="v"), -1)
+
+    with pytest.raises(ValueError, match=r"\[v\] not in params"):
+        ghost_clipped_grad_sum(wrong_key, clip_norm=1.0)({"w": params["w"]}, batch, mask)
 
 
 def test_sensitivity_and_validation():

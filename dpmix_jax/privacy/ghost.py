@@ -1,4 +1,4 @@
-"""Ghost clipping: per-example gradient norms without per-example gradients.
+"""Book-keeping ghost clipping: per-example clipped gradient sums in one backward pass.
 
 For a layer whose weight gradient for one example is a sum of outer products over positions t,
 `G = Σ_t u_t ⊗ v_t` (a dense layer: u = its input, v = the gradient of the loss with respect to its
@@ -6,26 +6,35 @@ output), the squared Frobenius norm is
 
     ||G||² = Σ_{t,s} (u_t · u_s)(v_t · v_s)
 
-(Li et al. 2022, "ghost norm"), which costs T² per example instead of d_in·d_out. Per layer the
-cheaper form is used: the two T×T Gram matrices when T² <= d_in·d_out, the per-example outer product
-otherwise. Embeddings use one-hot inputs (the Gram of the ids is an equality test), a tied output
-head (`logits = h @ Eᵀ`) puts the logit gradient on the table side, convolutions use their
-unfolded patches, and the scale and shift of a normalisation layer have direct per-example
-gradients Σ_t x̂_t ⊙ v_t and Σ_t v_t. A parameter used by several layers (a tied embedding) gets
-the cross terms Σ_{t,s} (u_t · u'_s)(v_t · v'_s) too, so its norm is that of the summed gradient.
+(Li et al. 2022, "ghost norm"), which costs T²·(d_in + d_out) per example instead of T·d_in·d_out.
+Per layer the cheaper form is used: the two T×T Gram matrices when T·(d_in + d_out) <= d_in·d_out,
+the per-example gradient otherwise (its B·d_in·d_out floats are then fewer than the B·T·(d_in +
+d_out) of the layer's kept input and output gradient, and the clipped sum is a weighted sum of it).
+Embeddings use one-hot inputs (the Gram of the ids is an equality test), a tied output head
+(`logits = h @ Eᵀ`) puts the logit gradient on the table side, convolutions use their unfolded
+patches for the Gram form and their transpose in the kernel otherwise, and the scale and shift of
+a normalisation layer have direct per-example gradients Σ_t x̂_t ⊙ v_t and Σ_t v_t. A parameter
+used by several layers (a tied embedding) gets the cross terms Σ_{t,s} (u_t · u'_s)(v_t · v'_s)
+too, so its norm is that of the summed gradient.
 
-The model's forward pass reports each layer to a `Tape`. `ghost_clipped_grad_sum` then runs
-
-1. a forward pass and one backward pass to the layer *outputs* (gradients with respect to zero
-   perturbations added to them; no weight gradient is formed), giving every example's gradient
-   norm ||g_j||;
-2. one backward pass on the reweighted loss Σ_j c_j loss_j with c_j = min(1, C / ||g_j||) held
-   constant (0 for padded rows and non-finite norms), which is Σ_j clip(g_j): the clipped sum.
+The model's forward pass reports each layer to a `Tape`. `ghost_clipped_grad_sum` runs a forward
+pass and one backward pass to the layer *outputs* (gradients with respect to zero perturbations
+added to them; no weight gradient is formed). From the kept inputs u and output gradients v it
+computes every example's norm ||g_j||, the clip factor c_j = min(1, C / ||g_j||) (0 for padded
+rows and non-finite norms), and then the clipped sums directly, as in the book-keeping method of
+Bu et al. 2023: Σ_j c_j Σ_t u_jt ⊗ v_jt is one matmul over the batch and positions (a scatter-add
+of the rows c_j v_jt at the ids for an embedding), and a vector parameter gets Σ_j c_j Σ_t (x̂ ⊙)
+v_jt. There is no second backward pass.
 
 It returns the same `ClippedGradSum` as `clipping.clipped_grad_sum`, so the two are
 interchangeable. The loss must be per-example: example j's loss may depend on example j only (no
-BatchNorm, no cross-example terms), and every parameter must be reported by some tape call (model
-glue checks this, see `dpmix_jax.train.ghost_models`).
+BatchNorm, no cross-example terms), and every parameter must be reported by some tape call (a
+parameter that is not raises a `ValueError`; model glue checks coverage up front, see
+`dpmix_jax.train.ghost_models`).
+
+Parameter keys: a leaf of `params` is named by the tuple of the dict keys and sequence indices on
+its path (attribute steps, such as an `nnx.Variable`'s value, are skipped); a key that is not a
+tuple stands for the 1-tuple, so `kernel="w"` names `params["w"]`.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -84,12 +93,34 @@ class _Direct:
 
 @dataclasses.dataclass(frozen=True)
 class _Conv:
-    """How to unfold a convolution's input into patches (one row per output position)."""
+    """A convolution's geometry: to unfold its input and to transpose it in the kernel."""
 
-    kernel_size: tuple[int, ...]
+    kernel_shape: tuple[int, ...]
     strides: tuple[int, ...]
     padding: Any
     dimension_numbers: tuple[str, str, str]
+
+    @property
+    def spatial(self) -> str:
+        """The kernel's spatial axis letters (e.g. "HW"), in kernel order."""
+        return "".join(c for c in self.dimension_numbers[1] if c not in "IO")
+
+    @property
+    def kernel_size(self) -> tuple[int, ...]:
+        rhs = self.dimension_numbers[1]
+        return tuple(self.kernel_shape[rhs.index(c)] for c in self.spatial)
+
+    def kernel_grad(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
+        """Σ over examples and positions of the kernel gradient: the conv transposed in it."""
+
+        def apply(kernel):
+            return jax.lax.conv_general_dilated(
+                inputs, kernel, self.strides, self.padding,
+                dimension_numbers=self.dimension_numbers,
+            )  # fmt: skip
+
+        kernel = jax.ShapeDtypeStruct(self.kernel_shape, inputs.dtype)
+        return jax.linear_transpose(apply, kernel)(out_grads)[0]
 
 
 @dataclasses.dataclass
@@ -170,11 +201,19 @@ class Tape:
         dimension_numbers: tuple[str, str, str] = ("NHWC", "HWIO", "NHWC"),
         bias: ParamKey | None = None,
     ) -> jax.Array:
-        """`outputs = lax.conv_general_dilated(inputs, kernel, strides, padding)` (no dilation)."""
-        conv = _Conv(tuple(kernel_size), tuple(strides), padding, tuple(dimension_numbers))
-        channels = inputs.shape[dimension_numbers[0].index("C")]
-        patch = channels * math.prod(kernel_size)
-        uses = [_Outer(kernel, _INPUT, _GRAD, patch, outputs.shape[-1])]
+        """`outputs = lax.conv_general_dilated(inputs, kernel, strides, padding)` (no dilation).
+
+        `kernel_size` follows the order of the kernel's spatial axes in `dimension_numbers[1]`,
+        whose letters must be those of the input's spatial axes; the output's channel axis is
+        `dimension_numbers[2]`'s "C".
+        """
+        lhs, rhs, out = dimension_numbers
+        sizes = dict(zip((c for c in rhs if c not in "IO"), kernel_size, strict=True))
+        sizes |= {"I": inputs.shape[lhs.index("C")], "O": outputs.shape[out.index("C")]}
+        kernel_shape = tuple(sizes[c] for c in rhs)
+        conv = _Conv(kernel_shape, tuple(strides), padding, tuple(dimension_numbers))
+        patch = sizes["I"] * math.prod(kernel_size)
+        uses = [_Outer(kernel, _INPUT, _GRAD, patch, sizes["O"])]
         if bias is not None:
             uses.append(_Direct(bias, scaled=False))
         return self._record(name, outputs, uses, {"input": inputs}, conv)
@@ -208,7 +247,7 @@ def _patches(x: jax.Array, conv: _Conv) -> jax.Array:
         conv.kernel_size,
         conv.strides,
         conv.padding,
-        dimension_numbers=(lhs, "OI" + "".join("HWD"[: len(conv.kernel_size)]), out),
+        dimension_numbers=(lhs, "OI" + conv.spatial, out),
     )
     if out.index("C") != len(out) - 1:
         patches = jnp.moveaxis(patches, out.index("C"), -1)
@@ -225,14 +264,25 @@ class _Factors:
     def get(self, name: str, side: str) -> jax.Array:
         if (name, side) not in self._cache:
             if side == _GRAD:
-                value = _rows(self._grads[name])
+                value = self.grad(name)
             elif side == _IDS:
                 value = self._arrays[f"{name}/ids"].reshape(self._grads[name].shape[0], -1)
             else:
                 layer, x = self._layers[name], self._arrays[f"{name}/input"]
                 value = _rows(x) if layer.conv is None else _patches(x, layer.conv)
-            self._cache[(name, side)] = value.astype(jnp.float32)
+            self._cache[(name, side)] = value if side == _IDS else value.astype(jnp.float32)
         return self._cache[(name, side)]
+
+    def grad(self, name: str) -> jax.Array:
+        """(B, T, d) output gradients of a layer, channels last."""
+        g, conv = self._grads[name], self._layers[name].conv
+        if conv is not None and (channel := conv.dimension_numbers[2].index("C")) != g.ndim - 1:
+            g = jnp.moveaxis(g, channel, -1)
+        return _rows(g)
+
+    def conv_arrays(self, name: str) -> tuple[jax.Array, jax.Array]:
+        """A convolution's float32 input and output gradient in its own layout."""
+        return self._arrays[f"{name}/input"].astype(jnp.float32), self._grads[name]
 
 
 def _gram(a: jax.Array, a_side: str, b: jax.Array, b_side: str) -> jax.Array:
@@ -247,52 +297,169 @@ def _gram(a: jax.Array, a_side: str, b: jax.Array, b_side: str) -> jax.Array:
     return jnp.einsum("btd,bsd->bts", a, b)
 
 
-def _outer_sq_norms(factors: _Factors, uses: list[tuple[str, _Outer]]) -> jax.Array:
-    """(B,) squared norms of one parameter's summed per-example gradient over its uses."""
-    if len(uses) == 1:
-        name, use = uses[0]
-        left, right = factors.get(name, use.left), factors.get(name, use.right)
-        direct_ok = _IDS not in (use.left, use.right)
-        if direct_ok and left.shape[1] ** 2 > use.left_size * use.right_size:
-            grads = jnp.einsum("btn,btm->bnm", left, right)
-            return jnp.sum(jnp.square(grads), axis=(1, 2))
-    total = 0.0
-    for (i, (n1, u1)), (j, (n2, u2)) in itertools.combinations_with_replacement(enumerate(uses), 2):
-        left = _gram(factors.get(n1, u1.left), u1.left, factors.get(n2, u2.left), u2.left)
-        right = _gram(factors.get(n1, u1.right), u1.right, factors.get(n2, u2.right), u2.right)
-        total = total + (1.0 if i == j else 2.0) * jnp.sum(left * right, axis=(1, 2))
-    return total
+def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
+    """Rows of x where `keep`, exact zeros elsewhere (a where, so that inf and NaN cannot leak)."""
+    return jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), x, 0)
 
 
-def _ghost_sq_norms(layers: dict[str, _Layer], arrays: dict, grads: dict) -> jax.Array:
-    """(B,) squared per-example gradient norms from recorded layers and their output gradients.
+@dataclasses.dataclass
+class _Param:
+    """Everything one parameter's per-example gradients are built from.
+
+    `direct` is the summed (B, d) per-example gradient of a vector parameter; `uses` are the
+    outer-product uses of a matrix parameter; `per_example` is its per-example gradient (B, n, m),
+    or (B, *kernel) for a convolution, when that was cheaper to form than Gram matrices (a single
+    use with T·(n + m) > n·m).
+    """
+
+    direct: jax.Array | None = None
+    uses: list[tuple[str, _Outer]] = dataclasses.field(default_factory=list)
+    per_example: jax.Array | None = None
+
+
+class _BookKeeper:
+    """Per-example norms and clipped sums from recorded layer inputs and output gradients.
 
     Privacy: the norms are computed from every example's own data; they are not private and
-    serve only to clip.
+    serve only to clip. The clipped sums have sensitivity C when the clip factors are
+    min(1, C / norm) and every parameter of the model was recorded.
     """
-    factors = _Factors(layers, arrays, grads)
-    outer: dict[ParamKey, list[tuple[str, _Outer]]] = {}
-    direct: dict[ParamKey, jax.Array] = {}
-    for name, layer in layers.items():
-        for use in layer.uses:
-            if isinstance(use, _Outer):
-                outer.setdefault(use.param, []).append((name, use))
-                continue
-            v = factors.get(name, _GRAD)
-            if use.scaled:
-                x = _rows(arrays[f"{name}/normalized"]).astype(jnp.float32)
-                v = x * v
-            direct[use.param] = direct.get(use.param, 0.0) + jnp.sum(v, axis=1)
-    if shared := set(outer) & set(direct):
-        raise ValueError(f"parameters {sorted(map(str, shared))} are used as matrix and vector.")
-    total = sum(jnp.sum(jnp.square(v), axis=1) for v in direct.values())
-    for uses in outer.values():
-        total = total + _outer_sq_norms(factors, uses)
-    return jnp.asarray(total, jnp.float32)
+
+    def __init__(self, layers: dict[str, _Layer], arrays: dict, grads: dict):
+        self._convs = {name: layer.conv for name, layer in layers.items()}
+        self._factors = _Factors(layers, arrays, grads)
+        self.params: dict[ParamKey, _Param] = {}
+        for name, layer in layers.items():
+            for use in layer.uses:
+                entry = self.params.setdefault(_as_key(use.param), _Param())
+                if isinstance(use, _Outer):
+                    entry.uses.append((name, use))
+                    continue
+                v = self._factors.get(name, _GRAD)
+                if use.scaled:
+                    v = _rows(arrays[f"{name}/normalized"]).astype(jnp.float32) * v
+                direct = jnp.sum(v, axis=1)
+                entry.direct = direct if entry.direct is None else entry.direct + direct
+        if shared := [k for k, p in self.params.items() if p.uses and p.direct is not None]:
+            raise ValueError(f"parameters [{_key_names(shared)}] are used as matrix and vector.")
+
+    def sq_norms(self) -> jax.Array:
+        """(B,) squared norms of every example's gradient over all recorded parameters."""
+        total = 0.0
+        for entry in self.params.values():
+            if entry.direct is not None:
+                total = total + jnp.sum(jnp.square(entry.direct), axis=1)
+            else:
+                total = total + self._outer_sq_norms(entry)
+        return jnp.asarray(total, jnp.float32)
+
+    def _outer_sq_norms(self, entry: _Param) -> jax.Array:
+        get = self._factors.get
+        if len(entry.uses) == 1:
+            name, use = entry.uses[0]
+            positions = self._factors.grad(name).shape[1]
+            direct_ok = _IDS not in (use.left, use.right)
+            size = use.left_size * use.right_size
+            if direct_ok and positions * (use.left_size + use.right_size) > size:
+                entry.per_example = self._per_example(name, use)
+                axes = tuple(range(1, entry.per_example.ndim))
+                return jnp.sum(jnp.square(entry.per_example), axis=axes)
+        total = 0.0
+        pairs = itertools.combinations_with_replacement(enumerate(entry.uses), 2)
+        for (i, (n1, u1)), (j, (n2, u2)) in pairs:
+            left = _gram(get(n1, u1.left), u1.left, get(n2, u2.left), u2.left)
+            right = _gram(get(n1, u1.right), u1.right, get(n2, u2.right), u2.right)
+            total = total + (1.0 if i == j else 2.0) * jnp.sum(left * right, axis=(1, 2))
+        return total
+
+    def clipped_sums(self, weights: jax.Array, keep: jax.Array) -> dict[ParamKey, jax.Array]:
+        """Σ_j weights_j g_j per parameter, with rows outside `keep` contributing exactly zero.
+
+        Call after `sq_norms` (which decides how each matrix parameter is formed).
+        """
+        sums = {}
+        for key, entry in self.params.items():
+            if entry.direct is not None:
+                sums[key] = jnp.einsum("bd,b->d", _masked(entry.direct, keep), weights)
+            elif entry.per_example is not None:
+                sums[key] = jnp.tensordot(weights, _masked(entry.per_example, keep), axes=1)
+            else:
+                sums[key] = sum(self._outer_sum(n, u, weights, keep) for n, u in entry.uses)
+        return sums
+
+    def _per_example(self, name: str, use: _Outer) -> jax.Array:
+        """(B, ...) per-example gradients of a single-use matrix parameter, in its layout."""
+        if conv := self._convs[name]:
+            inputs, out_grads = self._factors.conv_arrays(name)
+            return jax.vmap(lambda x, g: conv.kernel_grad(x[None], g[None]))(inputs, out_grads)
+        left, right = self._factors.get(name, use.left), self._factors.get(name, use.right)
+        return jnp.einsum("btn,btm->bnm", left, right)
+
+    def _outer_sum(self, name: str, use: _Outer, weights: jax.Array, keep: jax.Array):
+        """Σ_j weights_j Σ_t left_jt ⊗ right_jt: one matmul, a conv transpose, or a scatter-add."""
+        if conv := self._convs[name]:
+            inputs, out_grads = self._factors.conv_arrays(name)
+            scaled = weights.reshape(-1, *([1] * (out_grads.ndim - 1))) * out_grads
+            return conv.kernel_grad(_masked(inputs, keep), _masked(scaled, keep))
+
+        def factor(side):
+            x = self._factors.get(name, side)
+            if side == _GRAD:
+                return _masked(x * weights[:, None, None], keep)
+            return x if side == _IDS else _masked(x, keep)
+
+        left, right = factor(use.left), factor(use.right)
+        if use.left == _IDS:
+            table = jnp.zeros((use.left_size, use.right_size), jnp.float32)
+            return table.at[left.reshape(-1)].add(right.reshape(-1, use.right_size))
+        return jnp.einsum("btn,btm->nm", left, right)
+
+
+def _as_key(key: ParamKey) -> tuple:
+    return key if isinstance(key, tuple) else (key,)
+
+
+def _key_names(keys) -> str:
+    return ", ".join(sorted("/".join(map(str, key)) for key in keys)[:5])
+
+
+def _path_key(path: tuple) -> tuple:
+    """The parameter key of a leaf path: its dict keys and sequence indices."""
+    steps = []
+    for entry in path:
+        if isinstance(entry, jax.tree_util.DictKey):
+            steps.append(entry.key)
+        elif isinstance(entry, jax.tree_util.SequenceKey):
+            steps.append(entry.idx)
+    return tuple(steps)
+
+
+def _fill(params: PyTree, sums: dict[tuple, jax.Array]) -> PyTree:
+    """`params`-shaped tree of the sums; every leaf must have been recorded, and nothing else."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    keys = {_path_key(path) for path, _ in leaves}
+    if unknown := set(sums) - keys:
+        raise ValueError(f"the tape names parameters [{_key_names(unknown)}] not in params.")
+    if missing := keys - set(sums):
+        raise ValueError(
+            f"parameters [{_key_names(missing)}] were not reported to the tape, so their "
+            "gradients would be unclipped; report every parameterised layer or use the vmap path."
+        )
+
+    def leaf_sum(path, leaf):
+        total = sums[_path_key(path)]
+        if total.size != leaf.size:
+            raise ValueError(
+                f"parameter {_path_key(path)} has shape {leaf.shape}, but its recorded layers "
+                f"give a gradient of shape {total.shape}."
+            )
+        return total.reshape(leaf.shape).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf_sum, params)
 
 
 def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> ClippedGradSum:
-    """Example-level clipped gradient sum by ghost norms and one reweighted backward pass.
+    """Example-level clipped gradient sum by ghost norms and book-keeping, in one backward pass.
 
     Args:
         loss_fn: `loss_fn(params, batch, tape) -> (B,)` per-example losses of a whole batch. It
@@ -302,12 +469,13 @@ def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Clipped
 
     Returns:
         A `ClippedGradSum` `(params, batch, mask) -> (sum, stats)` with `stats["loss"]` and
-        `stats["grad_norm"]` (B,), a drop-in for `clipping.clipped_grad_sum`.
+        `stats["grad_norm"]` (B,), a drop-in for `clipping.clipped_grad_sum`. It raises
+        `ValueError` when a leaf of `params` is not reported to the tape.
 
     Privacy: the returned sum has L2 sensitivity `clip_norm` under add/remove of one example:
     it is Σ_j c_j ∇loss_j with c_j ||∇loss_j|| <= C, provided the tape covers every parameter
-    (otherwise the norms are too small). Padded rows and rows with a non-finite norm get c_j = 0
-    and are replaced by a kept row in the second pass, so that 0 · inf cannot reach the sum.
+    (checked) and the loss is per-example. Padded rows and rows with a non-finite norm get
+    c_j = 0, and their factors are zeroed with `where`, so that 0 · inf cannot reach the sum.
     """
     clip_norm = check_positive(clip_norm, "clip_norm")
 
@@ -330,19 +498,11 @@ def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Clipped
 
         losses, pullback, arrays = jax.vjp(taped, zeros, has_aux=True)
         (grads,) = pullback(jnp.ones_like(losses))
-        norms = jnp.sqrt(_ghost_sq_norms(probe.layers, arrays, grads))
+        keeper = _BookKeeper(probe.layers, arrays, grads)
+        norms = jnp.sqrt(keeper.sq_norms())
         keep = mask & jnp.isfinite(norms)
         weights = jnp.where(keep, jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30)), 0.0)
-        rows = jnp.arange(mask.shape[0])
-        source = jnp.where(keep, rows, jnp.argmax(keep))
-        safe_batch = jax.tree.map(lambda x: x[source], batch)
-
-        def weighted_loss(p):
-            return jnp.sum(jax.lax.stop_gradient(weights) * loss_fn(p, safe_batch, Tape()))
-
-        total = jax.grad(weighted_loss)(params)
-        any_kept = jnp.any(keep)
-        total = jax.tree.map(lambda g: jnp.where(any_kept, g, 0).astype(g.dtype), total)
+        total = _fill(params, keeper.clipped_sums(weights, keep))
         return total, {"loss": losses, "grad_norm": norms}
 
     return ClippedGradSum(function, clip_norm)

@@ -5,9 +5,10 @@
 selects the method per model without other changes:
 
 - "vmap": per-example gradients with `jax.vmap` (any model), optionally in microbatches;
-- "ghost": ghost norms plus one reweighted backward pass (`privacy.ghost`), for models built from
-  `nnx.Linear`, `nnx.Embed` (including a tied `attend` head), `nnx.LayerNorm`, `nnx.GroupNorm`
-  and the ResNet `Conv` (without weight standardisation).
+- "ghost": ghost norms and book-keeping (`privacy.ghost`): one forward and one backward pass to the
+  layer outputs, then the clipped sums from the kept layer inputs and output gradients; for
+  models built from `nnx.Linear`, `nnx.Embed` (including a tied `attend` head), `nnx.LayerNorm`,
+  `nnx.GroupNorm` and the ResNet `Conv` (without weight standardisation).
 
 The ghost path reports layers to the tape without touching model code: inside the traced loss,
 the freshly merged model's supported modules are switched to subclasses whose calls run the
