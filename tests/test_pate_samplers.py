@@ -12,6 +12,7 @@ from scipy import stats
 from dpmix_jax.pate import samplers
 
 NEG_INF = -np.inf
+LAZY = functools.partial(samplers.coordinated_histograms, top_k=3)
 
 
 def probs_to_logits(p):
@@ -86,16 +87,18 @@ def test_identical_teachers_always_vote_unanimously():
     logits = jnp.tile(row, (16, 1))
     hist = np.asarray(samplers.coordinated_histograms(jax.random.key(5), logits, 500))
     assert np.all(hist.max(axis=1) == 16)
+    hist = np.asarray(LAZY(jax.random.key(5), jnp.tile(row, (16, 2)), 200))
+    assert np.all(hist.max(axis=1) == 16)
     independent = np.asarray(samplers.independent_histograms(jax.random.key(5), logits, 500))
     assert np.mean(independent.max(axis=1) == 16) < 0.1
 
 
 @pytest.mark.parametrize(
-    "sampler", [samplers.coordinated_histograms, samplers.independent_histograms]
+    "sampler", [samplers.coordinated_histograms, LAZY, samplers.independent_histograms]
 )
 def test_zero_probability_tokens_never_get_votes(sampler):
-    logits = jax.random.normal(jax.random.key(6), (8, 30))
-    banned = np.zeros((8, 30), bool)
+    logits = jax.random.normal(jax.random.key(6), (8, 64))
+    banned = np.zeros((8, 64), bool)
     banned[:, ::3] = True
     banned[:, -1] = True  # the last token too (inverse-CDF edge case)
     banned[0, :] = True
@@ -114,32 +117,157 @@ def lm_like_logits(key, n, vocab, sharpness=3.0):
     return sharpness * base + 0.7 * jax.random.normal(key, (n, vocab))
 
 
-@pytest.mark.parametrize(
-    "make_logits",
-    [
-        lambda k: lm_like_logits(k, 48, 3000),  # every teacher certified
-        # per histogram: none, a few or most teachers fail the certificate (all three paths)
-        lambda k: lm_like_logits(k, 48, 3000, sharpness=1.5),
-        lambda k: 2.0 * jax.random.normal(k, (48, 3000)),  # diffuse: the certificate often fails
-        lambda k: jnp.round(lm_like_logits(k, 48, 3000)),  # many tied logits
-        lambda k: (
-            jnp.where(
-                jax.random.uniform(k, (48, 3000)) < 0.99, NEG_INF, jax.random.normal(k, (48, 3000))
-            )
-            .at[:, 0]
-            .set(0.0)
-        ),  # fewer finite tokens than K for most teachers
-    ],
-)
-@pytest.mark.parametrize("top_k,fallback_rows", [(16, 1), (16, 8), (64, 48)])
-def test_top_k_fast_path_is_identical_to_full_scan(make_logits, top_k, fallback_rows):
-    logits = make_logits(jax.random.key(8))
-    key = jax.random.key(9)
-    full = samplers.coordinated_histograms(key, logits, 64, temperature=0.8)
-    fast = samplers.coordinated_histograms(
-        key, logits, 64, temperature=0.8, top_k=top_k, fallback_rows=fallback_rows
+def lazy_plan(logits, top_k, temperature=1.0):
+    scaled = samplers._scale(logits, temperature)
+    values, indices = samplers._top_k(scaled, top_k)
+    head_tokens, in_head = samplers._head(values, indices, logits.shape[1])
+    width = samplers._head_width(int(in_head.sum()), logits.shape[1])
+    assert width is not None, "the lazy sampler would fall back to the full scan"
+    return scaled, samplers._plan(scaled, values, head_tokens, in_head, width)
+
+
+def certified_fraction(logits, top_k, num_keys=300):
+    _, plan = lazy_plan(logits, top_k)
+    keys = jax.random.split(jax.random.key(99), num_keys)
+    _, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
+    return float(np.mean(~np.asarray(failing).any(axis=1)))
+
+
+def test_top_k_matches_jax_lax_top_k():
+    x = jnp.round(lm_like_logits(jax.random.key(20), 6, 1000, sharpness=1.0))  # many ties
+    x = x.at[:, 500:].set(NEG_INF)
+    values, indices = samplers._top_k(x, 40)
+    ref_values, _ = jax.lax.top_k(x, 41)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(ref_values))
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(x), indices, 1), values)
+    assert all(len(set(row)) == 41 for row in np.asarray(indices).tolist())
+
+
+@pytest.mark.parametrize("make_logits,top_k", [
+    (lambda k: lm_like_logits(k, 24, 500, sharpness=1.5), 8),  # some teachers fail
+    (lambda k: 1.5 * jax.random.normal(k, (24, 500)), 4),  # most fail
+    (lambda k: jnp.where(jax.random.uniform(k, (24, 500)) < 0.6, NEG_INF,  # -inf, |T_i| < K
+                         lm_like_logits(k, 24, 500, sharpness=1.0)).at[:, 0].set(0.0), 8),
+])  # fmt: skip
+def test_certified_votes_are_argmaxes_of_the_completed_noise(make_logits, top_k):
+    scaled, plan = lazy_plan(make_logits(jax.random.key(21)), top_k)
+    keys = jax.random.split(jax.random.key(22), 200)
+    votes, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
+    noise = jax.vmap(lambda k: samplers._full_noise(k, plan))(keys)
+    exact = np.asarray(jnp.argmax(scaled[None] + noise[:, None, :], axis=-1))
+    failing = np.asarray(failing)
+    assert 0 < failing.mean() < 1
+    np.testing.assert_array_equal(np.asarray(votes)[~failing], exact[~failing])
+
+
+def test_completed_noise_is_iid_gumbel_and_consistent_with_the_drawn_part():
+    logits = lm_like_logits(jax.random.key(23), 8, 300, sharpness=1.5)
+    _, plan = lazy_plan(logits, 4)
+    keys = jax.random.split(jax.random.key(24), 2000)
+    noise = np.asarray(jax.vmap(lambda k: samplers._full_noise(k, plan))(keys))
+    head_noise, block_max = jax.vmap(lambda k: samplers._sparse_noise(k, plan))(keys)
+    head = np.asarray(plan.head)
+    real = head < 300
+    np.testing.assert_array_equal(noise[:, head[real]], np.asarray(head_noise)[:, real])
+    block_of = np.asarray(plan.block_of)
+    for b in range(plan.log_sizes.shape[0]):
+        if np.any(block_of == b):
+            np.testing.assert_array_equal(noise[:, block_of == b].max(1), block_max[:, b])
+    # Every coordinate is Gumbel(0, 1) (head, small and large blocks), and coordinates are
+    # uncorrelated (the completion must not leave the block maxima in fixed positions).
+    gumbel = stats.gumbel_r()
+    tokens = [head[0], *(np.flatnonzero(block_of == b)[0] for b in (0, 3, 6, 8))]
+    for j in tokens:
+        assert stats.kstest(noise[:, j], gumbel.cdf).pvalue > 1e-3
+    same_block = np.flatnonzero(block_of == 6)[:2]
+    assert abs(np.corrcoef(noise[:, same_block].T)[0, 1]) < 4 / np.sqrt(2000)
+    assert stats.kstest(noise.max(1) - np.log(300), gumbel.cdf).pvalue > 1e-3
+
+
+def grouped_joint(hist_votes, tokens):
+    """Joint outcome ids of the teachers' votes, votes outside `tokens` merged into one value."""
+    codes = np.searchsorted(tokens, hist_votes)
+    codes = np.where(np.isin(hist_votes, tokens), codes, len(tokens))
+    return np.ravel_multi_index(codes.T, (len(tokens) + 1,) * hist_votes.shape[1])
+
+
+def votes_of(hist):
+    """Per histogram, the sorted multiset of votes (teacher identities are not in histograms)."""
+    hist = np.asarray(hist)
+    return np.stack([np.repeat(np.arange(hist.shape[1]), row) for row in hist])
+
+
+@pytest.mark.parametrize("make_logits,top_k,temperature", [
+    (lambda k: lm_like_logits(k, 3, 64, sharpness=1.2), 2, 1.0),
+    (lambda k: 2.0 * jax.random.normal(k, (3, 64)), 2, 0.7),  # diffuse: most histograms fall back
+    (lambda k: jnp.where(jax.random.uniform(k, (3, 64)) < 0.5, NEG_INF,
+                         lm_like_logits(k, 3, 64, sharpness=1.0)).at[:, 7].set(1.0), 3, 1.0),
+])  # fmt: skip
+def test_lazy_sampler_has_the_full_scans_joint_law(make_logits, top_k, temperature):
+    logits = make_logits(jax.random.key(25))
+    assert 0.02 < certified_fraction(logits / temperature, top_k) < 0.98  # both paths run
+    r = 8000
+    full = votes_of(
+        samplers.coordinated_histograms(jax.random.key(26), logits, r, temperature=temperature)
     )
-    np.testing.assert_array_equal(np.asarray(full), np.asarray(fast))
+    lazy = votes_of(
+        samplers.coordinated_histograms(
+            jax.random.key(27), logits, r, temperature=temperature, top_k=top_k
+        )
+    )
+    tokens = np.argsort(-np.bincount(full.ravel(), minlength=64))[:4]
+    tokens = np.sort(tokens)
+    table = np.stack([np.bincount(grouped_joint(v, tokens), minlength=125) for v in (full, lazy)])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-3
+
+
+def test_lazy_agreement_is_p_minhash_with_a_long_tail():
+    base = np.exp(lm_like_logits(jax.random.key(28), 2, 200, sharpness=1.0))
+    p, q = (row / row.sum() for row in np.asarray(base, np.float64))
+    logits = probs_to_logits(np.stack([p, q]))
+    assert certified_fraction(logits, 4) < 0.9
+    hist = samplers.coordinated_histograms(jax.random.key(29), logits, 20000, top_k=4)
+    agree = float(np.mean(np.asarray(hist).max(axis=1) == 2))
+    exact = p_minhash(p, q)
+    assert abs(agree - exact) < 4 * np.sqrt(exact * (1 - exact) / 20000)
+    top = np.argsort(-(p + q))[:10]
+    counts = np.asarray(hist).sum(axis=0)
+    grouped = np.append(counts[top], counts.sum() - counts[top].sum())
+    assert chi_square_pvalue(grouped, np.append((p + q)[top], 2 - (p + q)[top].sum()) / 2) > 1e-3
+
+
+def test_lazy_sampler_on_lm_like_teachers_matches_full_scan_statistics():
+    logits = lm_like_logits(jax.random.key(30), 48, 3000, sharpness=1.5)
+    r = 800
+    full = np.asarray(samplers.coordinated_histograms(jax.random.key(31), logits, r))
+    lazy = np.asarray(samplers.coordinated_histograms(jax.random.key(32), logits, r, top_k=16))
+    assert np.all(lazy.sum(axis=1) == 48) and lazy.dtype == np.int32
+    expected = np.asarray(jax.nn.softmax(logits, axis=-1)).sum(axis=0)
+    top = np.argsort(-expected)[:10]
+    # Counts of the top tokens: mean matches Σ_i p_ij (each count has variance <= 48²/4).
+    se = np.sqrt(lazy[:, top].var(axis=0) / r) + 1e-9
+    assert np.all(np.abs(lazy[:, top].mean(axis=0) - expected[top]) < 5 * se)
+    # Coordination (largest count per histogram) has the full scan's distribution.
+    assert stats.ks_2samp(full.max(axis=1), lazy.max(axis=1)).pvalue > 1e-3
+
+
+def test_lazy_sampler_uses_the_full_scan_when_the_head_is_most_of_the_vocabulary():
+    logits = 2.0 * jax.random.normal(jax.random.key(33), (16, 200))
+    key = jax.random.key(34)
+    full = samplers.coordinated_histograms(key, logits, 20)
+    lazy = samplers.coordinated_histograms(key, logits, 20, top_k=16)
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(lazy))
+
+
+def test_full_scan_matches_argmax_of_shared_gumbel():
+    logits = jnp.round(lm_like_logits(jax.random.key(35), 5, 40))  # ties in the logits
+    key = jax.random.key(36)
+    hist = samplers.coordinated_histograms(key, logits, 8, temperature=0.5)
+    noise = jax.vmap(lambda k: jax.random.gumbel(k, (40,)))(jax.random.split(key, 8))
+    votes = jnp.argmax(logits[None] / 0.5 + noise[:, None, :], axis=-1)
+    expected = jax.vmap(lambda v: jnp.bincount(v, length=40))(votes)
+    np.testing.assert_array_equal(np.asarray(hist), np.asarray(expected))
 
 
 def test_batch_size_does_not_change_histograms():
@@ -151,8 +279,8 @@ def test_batch_size_does_not_change_histograms():
         coordinated_top_k,
         samplers.independent_histograms,
     ):
-        a = sampler(key, logits, 30, batch_size=1)
-        b = sampler(key, logits, 30, batch_size=7)
+        a = sampler(key, logits, 12, batch_size=1)
+        b = sampler(key, logits, 12, batch_size=5)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
