@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dpmix_jax.data.sources import group_disjoint_split, random_split
-from dpmix_jax.mixing import DEFAULT_SHIFT
+from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.privacy import accounting
 
 Method = Literal["dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin"]
@@ -313,12 +313,9 @@ class MixturePipeline(abc.ABC):
         """The number of public sources."""
 
     @abc.abstractmethod
-    def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
-        """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports."""
-
-    @abc.abstractmethod
-    def nonprivate_weights(self, seed: int) -> np.ndarray:
-        """λ by exact MixMin on D_mix (NOT private)."""
+    def mixture_inputs(self, seed: int) -> dict[str, Any]:
+        """D_mix's cached proxy outputs as keyword arguments of `mixing.dp_mixmin`: `preds`,
+        `kind` and, where the kind or level needs them, `lengths` and `user_ids`."""
 
     @abc.abstractmethod
     def pretrained(self, weights: np.ndarray | None, seed: int) -> Any:
@@ -336,6 +333,61 @@ class MixturePipeline(abc.ABC):
 
     def _store(self, seed: int) -> StageStore:
         return StageStore(self.root / f"seed{seed}")
+
+    def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
+        """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports.
+
+        Privacy: reads D_mix only through `dp_mixmin` (Poisson-sampled examples, or users with up
+        to G examples each, clipped, Gaussian noise), accounted for the rate, σ and steps it ran.
+        """
+        settings = self.config.mixture
+
+        def compute():
+            inputs = self.mixture_inputs(seed)
+            self._on_stage("mixture")
+            user_level = inputs.get("user_ids") is not None
+            result = dp_mixmin(
+                **inputs,
+                max_examples_per_user=settings.max_examples_per_user if user_level else None,
+                epsilon=epsilon,
+                delta=self.config.delta,
+                steps=settings.steps,
+                batch_size=settings.batch_size,
+                clip_norm=settings.clip_norm,
+                learning_rate=settings.learning_rate,
+                seed=derived_seed(seed, "mixture", f"{epsilon:g}"),
+                solver=settings.solver,
+                shift=settings.shift,
+                accountant=settings.accountant,
+            )
+            return {
+                "weights": result.weights,
+                "spent": budget_to_json(accounting.PrivacyBudget(result.epsilon, result.delta)),
+                "noise_multiplier": result.noise_multiplier,
+                "sampling_rate": result.sampling_rate,
+                "num_units": result.num_units,
+                "ledger": result.ledger.state_dict(),
+            }
+
+        name = f"mixture_{self.config.composition}_eps{epsilon:g}"
+        stored = self._store(seed).json(name, compute)
+        return np.asarray(stored["weights"]), budget_from_json(stored["spent"])
+
+    def nonprivate_weights(self, seed: int) -> np.ndarray:
+        """λ by exact MixMin on D_mix.
+
+        Privacy: NOT private (no clipping, no noise): the labelled upper-bound baseline only.
+        """
+
+        def compute():
+            inputs = self.mixture_inputs(seed)
+            inputs.pop("user_ids", None)
+            self._on_stage("nonprivate_mixture")
+            weights = mixmin(**inputs, steps=self.config.mixture.nonprivate_steps)
+            return {"weights": np.asarray(weights)}
+
+        name = f"mixture_nonprivate_{self.config.composition}"
+        return np.asarray(self._store(seed).json(name, compute)["weights"])
 
     def run(self, method: Method, epsilon: float, seed: int) -> RunResult:
         """One method at target ε (end to end) and one seed; stored, so a rerun is free.

@@ -25,13 +25,13 @@ import dataclasses
 import functools
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
 from dpmix_jax.data.sources import Source
-from dpmix_jax.mixing import dp_mixmin, mixmin
 from dpmix_jax.models.mlp import MLP, MLPConfig
 from dpmix_jax.models.resnet import ResNet, ResNetConfig
 from dpmix_jax.pipeline import common
@@ -253,54 +253,9 @@ class ImagePipeline(common.MixturePipeline):
         name = f"proxy_outputs_{self.config.composition}"
         return np.asarray(self._store(seed).json(name, compute)["nll"])
 
-    def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
-        """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports.
-
-        Privacy: reads D_mix only through `dp_mixmin` (Poisson-subsampled Gaussian, accounted).
-        """
-        mix_config = self.config.mixture
-
-        def compute():
-            self._on_stage("mixture")
-            result = dp_mixmin(
-                self.proxy_outputs(seed),
-                kind="nll",
-                epsilon=epsilon,
-                delta=self.config.delta,
-                steps=mix_config.steps,
-                batch_size=mix_config.batch_size,
-                clip_norm=mix_config.clip_norm,
-                learning_rate=mix_config.learning_rate,
-                seed=common.derived_seed(seed, "mixture", f"{epsilon:g}"),
-                solver=mix_config.solver,
-                shift=mix_config.shift,
-                accountant=mix_config.accountant,
-            )
-            return {
-                "weights": result.weights,
-                "spent": common.budget_to_json(
-                    accounting.PrivacyBudget(result.epsilon, result.delta)
-                ),
-                "noise_multiplier": result.noise_multiplier,
-                "sampling_rate": result.sampling_rate,
-                "ledger": result.ledger.state_dict(),
-            }
-
-        name = f"mixture_{self.config.composition}_eps{epsilon:g}"
-        stored = self._store(seed).json(name, compute)
-        return np.asarray(stored["weights"]), common.budget_from_json(stored["spent"])
-
-    def nonprivate_weights(self, seed: int) -> np.ndarray:
-        """λ by exact MixMin on D_mix. NOT private: the upper-bound baseline only."""
-
-        def compute():
-            self._on_stage("nonprivate_mixture")
-            weights = mixmin(
-                self.proxy_outputs(seed), kind="nll", steps=self.config.mixture.nonprivate_steps
-            )
-            return {"weights": np.asarray(weights)}
-
-        return np.asarray(self._store(seed).json("mixture_nonprivate", compute)["weights"])
+    def mixture_inputs(self, seed: int) -> dict[str, Any]:
+        """The `nll` proxy outputs on D_mix, as `dp_mixmin` / `mixmin` arguments."""
+        return {"preds": self.proxy_outputs(seed), "kind": "nll"}
 
     def pretrained(self, weights: np.ndarray | None, seed: int) -> nnx.Module:
         """The downstream model pretrained on the public pool with target Σ λ_i y_i (or a fresh

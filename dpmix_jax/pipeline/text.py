@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import pathlib
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,6 @@ from flax import nnx
 
 from dpmix_jax.data.text import document_tokens, pack_sequences
 from dpmix_jax.data.tokenizer import TextTokenizer, gpt2_tokenizer, train_bpe_tokenizer
-from dpmix_jax.mixing import dp_mixmin, mixmin
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config, trainable_mask
 from dpmix_jax.pipeline import common
 from dpmix_jax.pipeline.text_data import (
@@ -438,68 +437,16 @@ class TextPipeline(common.MixturePipeline):
         mix, _ = self.split(seed)
         return np.asarray(self.task.train.user_ids)[mix] if self.config.level == "user" else None
 
-    def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
-        """λ by DP-MixMin (`sequence` kind) on D_mix at (ε, δ), and its accountant's budget.
-
-        Privacy: reads D_mix only through `dp_mixmin`: Poisson-sampled users (user level, up to
-        G documents each, averaged then clipped) or documents, Gaussian noise, accounted.
-        """
-        mix_config = self.config.mixture
-
-        def compute():
-            log_probs, counts = self.proxy_outputs(seed)
-            self._on_stage("mixture")
-            result = dp_mixmin(
-                log_probs,
-                kind="sequence",
-                lengths=counts,
-                user_ids=self._mixture_users(seed),
-                max_examples_per_user=mix_config.max_examples_per_user,
-                epsilon=epsilon,
-                delta=self.config.delta,
-                steps=mix_config.steps,
-                batch_size=mix_config.batch_size,
-                clip_norm=mix_config.clip_norm,
-                learning_rate=mix_config.learning_rate,
-                seed=common.derived_seed(seed, "mixture", f"{epsilon:g}"),
-                solver=mix_config.solver,
-                shift=mix_config.shift,
-                accountant=mix_config.accountant,
-            )
-            return {
-                "weights": result.weights,
-                "spent": common.budget_to_json(
-                    accounting.PrivacyBudget(result.epsilon, result.delta)
-                ),
-                "noise_multiplier": result.noise_multiplier,
-                "sampling_rate": result.sampling_rate,
-                "num_units": result.num_units,
-                "ledger": result.ledger.state_dict(),
-            }
-
-        name = f"mixture_{self.config.composition}_eps{epsilon:g}"
-        stored = self._store(seed).json(name, compute)
-        return np.asarray(stored["weights"]), common.budget_from_json(stored["spent"])
-
-    def nonprivate_weights(self, seed: int) -> np.ndarray:
-        """λ by exact MixMin on D_mix.
-
-        Privacy: NOT private (no clipping, no noise): the labelled upper-bound baseline only.
-        """
-
-        def compute():
-            log_probs, counts = self.proxy_outputs(seed)
-            self._on_stage("nonprivate_mixture")
-            weights = mixmin(
-                log_probs,
-                kind="sequence",
-                lengths=counts,
-                steps=self.config.mixture.nonprivate_steps,
-            )
-            return {"weights": np.asarray(weights)}
-
-        name = f"mixture_nonprivate_{self.config.composition}"
-        return np.asarray(self._store(seed).json(name, compute)["weights"])
+    def mixture_inputs(self, seed: int) -> dict[str, Any]:
+        """The `sequence` proxy outputs on D_mix (with token counts, and user ids at user level),
+        as `dp_mixmin` / `mixmin` arguments."""
+        log_probs, counts = self.proxy_outputs(seed)
+        return {
+            "preds": log_probs,
+            "kind": "sequence",
+            "lengths": counts,
+            "user_ids": self._mixture_users(seed),
+        }
 
     def pretrained(self, weights: np.ndarray | None, seed: int) -> GPT2:
         """The downstream LM pretrained on public documents drawn by λ (document i of a domain
