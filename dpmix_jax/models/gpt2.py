@@ -33,19 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dpmix_jax.models.dtypes import float_dtype
+
 # GPT-2 checkpoints of every size use 64-dimensional attention heads.
 _GPT2_HEAD_DIM = 64
 _TANH_GELU_NAMES = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
-
-
-def _float_dtype(value: Any, name: str) -> jnp.dtype:
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError as err:
-        raise ValueError(f"{name} must be a floating dtype, got {value!r}") from err
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating dtype, got {dtype}")
-    return dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,8 +77,8 @@ class GPT2Config:
             raise ValueError(f"n_head ({self.n_head}) must divide n_embd ({self.n_embd})")
         if not self.layer_norm_eps > 0:
             raise ValueError(f"layer_norm_eps must be > 0, got {self.layer_norm_eps}")
-        object.__setattr__(self, "dtype", _float_dtype(self.dtype, "dtype"))
-        object.__setattr__(self, "param_dtype", _float_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "dtype", float_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", float_dtype(self.param_dtype, "param_dtype"))
 
     @property
     def mlp_dim(self) -> int:

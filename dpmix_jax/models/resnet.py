@@ -22,20 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dpmix_jax.models.dtypes import float_dtype
+
 _BLOCK_EXPANSION = {"basic": 1, "bottleneck": 4}
 _STEMS = ("imagenet", "cifar")
 _NORM_EPS = 1e-5
 _WS_EPS = 1e-5
-
-
-def _float_dtype(value: Any, name: str) -> jnp.dtype:
-    try:
-        dtype = jnp.dtype(value)
-    except TypeError as err:
-        raise ValueError(f"{name} must be a floating dtype, got {value!r}") from err
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{name} must be a floating dtype, got {dtype}")
-    return dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -87,8 +79,8 @@ class ResNetConfig:
                 f"groups ({self.groups}) must divide width ({self.width}) so that every GroupNorm "
                 "channel count is divisible by it"
             )
-        object.__setattr__(self, "dtype", _float_dtype(self.dtype, "dtype"))
-        object.__setattr__(self, "param_dtype", _float_dtype(self.param_dtype, "param_dtype"))
+        object.__setattr__(self, "dtype", float_dtype(self.dtype, "dtype"))
+        object.__setattr__(self, "param_dtype", float_dtype(self.param_dtype, "param_dtype"))
 
     @property
     def expansion(self) -> int:

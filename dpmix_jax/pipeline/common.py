@@ -304,8 +304,26 @@ class MixturePipeline(abc.ABC):
     """
 
     higher_is_better: bool
-    config: Any
-    root: pathlib.Path
+
+    def __init__(
+        self,
+        task: Any,
+        config: Any,
+        root: str | os.PathLike,
+        *,
+        on_stage: Callable[[str], None] | None = None,
+    ):
+        """Args:
+        task: the data.
+        config: public settings.
+        root: directory of the stage store (one sub-directory per seed).
+        on_stage: called with a stage name whenever a stage is computed (not when it is
+            loaded); for progress reports and tests.
+        """
+        self.task = task
+        self.config = config
+        self.root = pathlib.Path(root)
+        self._on_stage = on_stage or (lambda name: None)
 
     @property
     @abc.abstractmethod

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -162,28 +160,8 @@ def _subset_gather(source: Source, rows: np.ndarray, task_index: int | None):
 
 
 class ImagePipeline(common.MixturePipeline):
-    """DP-MixMin and its baselines on one `SharedInputTask`, with stages stored under `root`.
-
-    Args:
-        task: the data.
-        config: public settings.
-        root: directory of the stage store (one sub-directory per seed).
-        on_stage: called with a stage name whenever a stage is computed (not when it is loaded);
-            for progress reports and tests.
-    """
-
-    def __init__(
-        self,
-        task: SharedInputTask,
-        config: ImagePipelineConfig,
-        root: str | pathlib.Path,
-        *,
-        on_stage: Callable[[str], None] | None = None,
-    ):
-        self.task = task
-        self.config = config
-        self.root = pathlib.Path(root)
-        self._on_stage = on_stage or (lambda name: None)
+    """DP-MixMin and its baselines on one `SharedInputTask` (`ImagePipelineConfig`), with stages
+    stored under `root` (see `common.MixturePipeline` for the arguments)."""
 
     higher_is_better = True
 

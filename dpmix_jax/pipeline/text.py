@@ -263,10 +263,7 @@ class TextPipeline(common.MixturePipeline):
         *,
         on_stage: Callable[[str], None] | None = None,
     ):
-        self.task = task
-        self.config = config
-        self.root = pathlib.Path(root)
-        self._on_stage = on_stage or (lambda name: None)
+        super().__init__(task, config, root, on_stage=on_stage)
         self._trainers: dict[str, Trainer] = {}
         self._encoded: dict[str, list[list[int]]] = {}
 
