@@ -12,7 +12,6 @@ import abc
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping
@@ -248,9 +247,6 @@ class StageStore:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def has(self, name: str) -> bool:
-        return (self.root / f"{name}.json").exists()
-
     def json(self, name: str, compute: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
         """The stored result `name`, or `compute()` written atomically and returned."""
         target = self.root / f"{name}.json"
@@ -288,10 +284,6 @@ def budget_to_json(budget: accounting.PrivacyBudget) -> dict[str, float]:
 
 def budget_from_json(data: Mapping[str, float]) -> accounting.PrivacyBudget:
     return accounting.PrivacyBudget(float(data["epsilon"]), float(data["delta"]))
-
-
-def finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
 
 
 class MixturePipeline(abc.ABC):
