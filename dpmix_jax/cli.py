@@ -31,6 +31,8 @@ EXPERIMENTS = {
     "bench_grads": "per-example gradient throughput against non-private steps and Opacus",
 }
 
+_SHORTCUTS = {"audit": "audit", "bench": "bench_grads"}  # dpmix NAME ... = dpmix run TARGET ...
+
 
 def _positive_float(text: str) -> float:
     value = float(text)
@@ -81,10 +83,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the experiment")
 
-    for name, target in (("audit", "audit"), ("bench", "bench_grads")):
+    for name, target in _SHORTCUTS.items():
+        # Every argument goes to the experiment (collected by `main`: argparse's REMAINDER
+        # does not take options as a subcommand's first argument).
         sub = commands.add_parser(name, help=EXPERIMENTS[target], add_help=False)
         sub.set_defaults(experiment=target, distributed=False)
-        sub.add_argument("args", nargs=argparse.REMAINDER)
     commands.add_parser("experiments", help="list the experiments")
     return parser
 
@@ -162,7 +165,12 @@ def _run_experiment(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command in _SHORTCUTS:
+        args.args = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
         return _demo(args)
     if args.command == "experiments":

@@ -415,19 +415,20 @@ def bench_pate(config: BenchConfig) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
+    """One line per row; "/np" = step time over the non-private step's, "x opacus" = throughput
+    over Opacus' (DP rows against opacus_dp, the non-private row against opacus_nonprivate)."""
     by_key = {(r["model"], r["batch_size"], r["method"]): r for r in rows}
     lines = [
         f"{'model':<12} {'B':>5} {'method':<18} {'ex/s':>9} {'round range ms':>17} "
-        f"{'/np':>6} {'/opacus':>8} {'mem MiB':>8} {'compiles':>8}"
+        f"{'/np':>6} {'x opacus':>8} {'mem MiB':>8} {'compiles':>8}"
     ]
     for r in rows:
         np_row = by_key.get((r["model"], r["batch_size"], "nonprivate"))
         op_key = "opacus_dp" if r["method"].startswith("dp") else "opacus_nonprivate"
         op_row = by_key.get((r["model"], r["batch_size"], op_key))
         eps = r["examples_per_second"]
-        # ratios of step times: > 1 means this method is slower
         vs_np = np_row["examples_per_second"] / eps if np_row else float("nan")
-        vs_op = op_row["examples_per_second"] / eps if op_row and r["method"] != op_key else None
+        vs_op = eps / op_row["examples_per_second"] if op_row and r["method"] != op_key else None
         lo, hi = (1e3 * t for t in r["round_median_range_seconds"])
         mem = "-" if r["peak_memory_bytes"] is None else f"{r['peak_memory_bytes'] / 2**20:.1f}"
         comp = "-" if r["compiles"] is None else str(r["compiles"])
@@ -437,6 +438,31 @@ def _table(rows: list[dict]) -> str:
             f"{'-' if vs_op is None else f'{vs_op:.2f}':>8} {mem:>8} {comp:>8}"
         )
     return "\n".join(lines)
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (model, batch size): our fastest DP method, its step time over the non-private
+    step's, and its throughput over Opacus' DP throughput (the issue's two target ratios)."""
+    by_key = {(r["model"], r["batch_size"], r["method"]): r for r in rows}
+    out = []
+    for model, batch_size in dict.fromkeys((r["model"], r["batch_size"]) for r in rows):
+        dp = [r for r in rows if (r["model"], r["batch_size"]) == (model, batch_size)
+              and r["method"].startswith("dp")]  # fmt: skip
+        if not dp:
+            continue
+        fastest = max(dp, key=lambda r: r["examples_per_second"])
+        nonprivate = by_key.get((model, batch_size, "nonprivate"))
+        opacus = by_key.get((model, batch_size, "opacus_dp"))
+        out.append({
+            "model": model,
+            "batch_size": batch_size,
+            "fastest_dp": fastest["method"],
+            "dp_over_nonprivate_time": nonprivate["examples_per_second"]
+            / fastest["examples_per_second"] if nonprivate else None,
+            "ours_over_opacus_throughput": fastest["examples_per_second"]
+            / opacus["examples_per_second"] if opacus else None,
+        })  # fmt: skip
+    return out
 
 
 def run(config: BenchConfig) -> dict:
@@ -452,6 +478,7 @@ def run(config: BenchConfig) -> dict:
     pate = bench_pate(config) if config.pate_teachers else []
     return {
         "results": results,
+        "summary": summary(results),
         "mixmin": mixmin,
         "pate": pate,
         "environment": {
@@ -471,13 +498,24 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     report = run(get_config(args.preset))
     print(_table(report["results"]))
+    print("\nFastest DP path: step time / non-private, throughput / Opacus DP")
+    for row in report["summary"]:
+        ratios = [
+            "-" if row[name] is None else f"{row[name]:.2f}"
+            for name in ("dp_over_nonprivate_time", "ours_over_opacus_throughput")
+        ]
+        print(f"  {row['model']:<12} B={row['batch_size']:<5} {row['fastest_dp']:<14} "
+              f"{ratios[0]:>6} {ratios[1]:>6}")  # fmt: skip
     print("\nDP-MixMin (nll): seconds per step")
     for row in report["mixmin"]:
         print(f"  k={row['sources']:<5} B={row['batch_size']} {row['method']:<11} "
               f"{1e3 * row['step_seconds']:.3f} ms")  # fmt: skip
-    print("\nHot PATE: histograms per second")
+    print("\nHot PATE: histograms per second (cost relative to independent)")
+    independent = {r["logits"]: r for r in report["pate"] if r["method"] == "independent"}
     for row in report["pate"]:
-        print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:.1f}")
+        cost = independent[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]
+        print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:9.1f} "
+              f"{cost:6.2f}x")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -25,6 +25,16 @@ def test_micro_preset_writes_valid_json(tmp_path):
             assert row["compiles"] is None
         else:  # traced once in warm-up, never again in the timed loops
             assert row["compiles"] == 0 and row["compiles_warmup"] == 1
+    (summary,) = report["summary"]  # one model at one batch size
+    dp = {r["method"]: r["examples_per_second"] for r in rows if r["method"].startswith("dp")}
+    by_method = {r["method"]: r["examples_per_second"] for r in rows}
+    assert dp[summary["fastest_dp"]] == max(dp.values())
+    assert summary["dp_over_nonprivate_time"] == pytest.approx(
+        by_method["nonprivate"] / max(dp.values())
+    )
+    assert summary["ours_over_opacus_throughput"] == pytest.approx(
+        max(dp.values()) / by_method["opacus_dp"]
+    )
     assert {r["sources"] for r in report["mixmin"]} == set(config.mixmin_sources)
     assert {r["method"] for r in report["pate"]} == {
         "independent",

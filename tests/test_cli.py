@@ -44,6 +44,16 @@ def test_bad_arguments_give_clear_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["bench", "audit"])
+def test_shortcuts_pass_every_argument_to_the_experiment(command, capsys):
+    # The experiment's own parser sees the options: an unknown preset is its error, not ours.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--preset", "no_such_preset"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--preset: invalid choice: 'no_such_preset'" in err
+
+
 def test_unknown_demo_method_is_rejected():
     with pytest.raises(SystemExit, match="unknown method"):
         cli.main(["demo", "--methods", "dp_mixmin", "oracle"])

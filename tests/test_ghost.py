@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
+from dpmix_jax.privacy import ghost
 from dpmix_jax.privacy.clipping import clipped_grad_sum
 from dpmix_jax.privacy.ghost import Tape, ghost_clipped_grad_sum
 from dpmix_jax.train.ghost_models import check_ghost_support, model_clipped_grad_sum
@@ -99,10 +100,15 @@ def test_non_finite_and_padded_rows_of_a_model_contribute_zero():
     assert all(float(jnp.abs(leaf).sum()) == 0.0 for leaf in jax.tree.leaves(nothing))
 
 
-@pytest.mark.parametrize(("channels", "features"), [(8, 16), (2, 3)])
-def test_conv_layouts_and_forms_match_vmap(channels, features):
+@pytest.mark.parametrize(
+    ("channels", "features", "chunk_bytes"), [(8, 16, None), (2, 3, None), (2, 3, 3 * 576)]
+)
+def test_conv_layouts_and_forms_match_vmap(channels, features, chunk_bytes, monkeypatch):
     # NCHW input, OIHW kernel of size (3, 2), strides (2, 1), "SAME" padding, bias; T = 3·4 = 12
-    # output positions. (8, 16): T·(48 + 16) <= 48·16, Gram of patches; (2, 3): per-example form.
+    # output positions. (8, 16): T·(48 + 16) <= 48·16, Gram of patches; (2, 3): per-example form,
+    # whose 12 x 12 float patches (576 bytes) per example can also go in chunks of 3 (and 1).
+    if chunk_bytes is not None:
+        monkeypatch.setattr(ghost, "_CPU_CHUNK_BYTES", chunk_bytes)
     dims = ("NCHW", "OIHW", "NCHW")
 
     def loss_fn(params, batch, tape):

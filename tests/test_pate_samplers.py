@@ -129,7 +129,7 @@ def lazy_plan(logits, top_k, temperature=1.0):
 def certified_fraction(logits, top_k, num_keys=300):
     _, plan = lazy_plan(logits, top_k)
     keys = jax.random.split(jax.random.key(99), num_keys)
-    _, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
+    *_, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
     return float(np.mean(~np.asarray(failing).any(axis=1)))
 
 
@@ -152,12 +152,39 @@ def test_top_k_matches_jax_lax_top_k():
 def test_certified_votes_are_argmaxes_of_the_completed_noise(make_logits, top_k):
     scaled, plan = lazy_plan(make_logits(jax.random.key(21)), top_k)
     keys = jax.random.split(jax.random.key(22), 200)
-    votes, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
+    votes, _, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
     noise = jax.vmap(lambda k: samplers._full_noise(k, plan))(keys)
     exact = np.asarray(jnp.argmax(scaled[None] + noise[:, None, :], axis=-1))
     failing = np.asarray(failing)
     assert 0 < failing.mean() < 1
     np.testing.assert_array_equal(np.asarray(votes)[~failing], exact[~failing])
+
+
+@pytest.mark.parametrize("make_logits,top_k,pruned", [
+    (lambda k: lm_like_logits(k, 64, 2000, sharpness=1.5), 8, True),
+    (lambda k: lm_like_logits(k, 16, 600, sharpness=0.6), 4, False),  # flat: whole-row rescans
+])  # fmt: skip
+def test_lazy_votes_are_the_argmaxes_of_the_completed_noise(make_logits, top_k, pruned):
+    # Certified votes and rescanned ones alike: every histogram is exactly the full scan's
+    # histogram on the completed noise vector of its key.
+    logits = make_logits(jax.random.key(40))
+    scaled, plan = lazy_plan(logits, top_k)
+    key, r = jax.random.key(41), 64
+    hist = samplers._coordinated_lazy(key, scaled, plan, r, 4, 4)
+    keys = jax.random.split(key, r)
+    _, best, failing = jax.vmap(lambda k: samplers._certified_votes(k, plan))(keys)
+    noise = jax.vmap(lambda k: samplers._full_noise(k, plan))(keys)
+    votes = jnp.argmax(scaled[None] + noise[:, None, :], axis=-1)
+    expected = jax.vmap(lambda v: jnp.bincount(v, length=logits.shape[1]))(votes)
+    np.testing.assert_array_equal(np.asarray(hist), np.asarray(expected))
+    # Which rescan ran: the pruned one (few candidate tokens) or the whole-row one.
+    floor = jnp.min(jnp.where(failing, best, jnp.inf), axis=1, keepdims=True)
+    candidates = jnp.sum(plan.column_max + noise >= floor, axis=1)[jnp.any(failing, axis=1)]
+    assert candidates.size > 0
+    if pruned:
+        assert bool(jnp.all(candidates <= samplers._RESCAN_TOKENS))
+    else:
+        assert bool(jnp.any(candidates > samplers._RESCAN_TOKENS))
 
 
 def test_completed_noise_is_iid_gumbel_and_consistent_with_the_drawn_part():
@@ -182,6 +209,23 @@ def test_completed_noise_is_iid_gumbel_and_consistent_with_the_drawn_part():
     same_block = np.flatnonzero(block_of == 6)[:2]
     assert abs(np.corrcoef(noise[:, same_block].T)[0, 1]) < 4 / np.sqrt(2000)
     assert stats.kstest(noise.max(1) - np.log(300), gumbel.cdf).pvalue > 1e-3
+
+
+def test_tokens_no_teacher_can_vote_for_rank_before_the_head():
+    # Columns that are -inf for every teacher must still rank before S, or a block's maximum
+    # could be placed on a head token and overwrite its drawn noise.
+    logits = lm_like_logits(jax.random.key(42), 6, 80, sharpness=1.0)
+    logits = logits.at[:, 40:].set(NEG_INF)
+    _, plan = lazy_plan(logits, 3)
+    head = np.asarray(plan.head)
+    head = head[head < 80]
+    size = int(plan.block_start[-1])
+    assert size == 80 - len(head)
+    assert not np.isin(np.asarray(plan.ranked)[:size], head).any()
+    keys = jax.random.split(jax.random.key(43), 200)
+    noise = jax.vmap(lambda k: samplers._full_noise(k, plan))(keys)
+    head_noise, _ = jax.vmap(lambda k: samplers._sparse_noise(k, plan))(keys)
+    np.testing.assert_array_equal(noise[:, head], head_noise[:, : len(head)])
 
 
 def grouped_joint(hist_votes, tokens):

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from dpmix_jax.models import ResNet, ResNet18, ResNet50, ResNetConfig
-from dpmix_jax.models.resnet import Conv
+from dpmix_jax.models.resnet import Conv, GroupNorm
 
 
 def _param_count(tree) -> int:
@@ -135,7 +135,7 @@ def _module_types(model):
 )
 def test_no_batchnorm(factory):
     types = _module_types(_abstract(factory))
-    assert nnx.GroupNorm in types
+    assert GroupNorm in types
     assert not any(issubclass(t, nnx.BatchNorm) for t in types)
     state = nnx.state(_abstract(factory))
     assert not any(isinstance(v, nnx.BatchStat) for v in jax.tree.leaves(
@@ -217,3 +217,48 @@ def test_config_validation(overrides, message):
 def test_num_outputs_validation():
     with pytest.raises(ValueError, match="num_outputs"):
         ResNet(ResNetConfig.tiny(), 0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    ("shape", "groups", "options"),
+    [
+        ((3, 6, 5, 8), 4, {}),
+        ((2, 7, 12), 3, {"use_scale": False}),
+        ((4, 2, 3, 2, 6), 6, {"use_bias": False}),
+        ((3, 4, 4, 8), 2, {"dtype": jnp.bfloat16}),
+    ],
+)
+def test_group_norm_matches_flax_values_and_gradients(shape, groups, options):
+    channels = shape[-1]
+    ours = GroupNorm(channels, num_groups=groups, epsilon=1e-5, rngs=nnx.Rngs(0), **options)
+    flax = nnx.GroupNorm(channels, num_groups=groups, epsilon=1e-5, rngs=nnx.Rngs(0), **options)
+    keys = jax.random.split(jax.random.key(3), 4)
+    for module in (ours, flax):  # non-trivial affine parameters, the same in both
+        if module.scale is not None:
+            module.scale[...] = 1.0 + jax.random.normal(keys[0], (channels,))
+        if module.bias is not None:
+            module.bias[...] = jax.random.normal(keys[1], (channels,))
+    # per-example offsets and scales, so that a mean or variance mixed across examples shows
+    x = 3.0 * jax.random.normal(keys[2], shape) + jnp.arange(shape[0]).reshape(
+        -1, *[1] * (len(shape) - 1)
+    )
+    weights = jax.random.normal(keys[3], shape)
+
+    def loss(module, x):
+        return jnp.sum(module(x).astype(jnp.float32) * weights)
+
+    tol = {"rtol": 2e-2, "atol": 2e-2} if options.get("dtype") == jnp.bfloat16 else {"atol": 2e-5}
+    assert ours(x).dtype == flax(x).dtype
+    np.testing.assert_allclose(ours(x).astype(jnp.float32), flax(x).astype(jnp.float32), **tol)
+    ours_grads = nnx.grad(loss, argnums=(0, 1))(ours, x)
+    flax_grads = nnx.grad(loss, argnums=(0, 1))(flax, x)
+    for a, b in zip(jax.tree.leaves(ours_grads), jax.tree.leaves(flax_grads), strict=True):
+        np.testing.assert_allclose(a, b, **{**tol, "atol": 10 * tol["atol"]})
+
+
+def test_group_norm_masked_statistics_use_flax():
+    ours = GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0))
+    flax = nnx.GroupNorm(4, num_groups=2, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (2, 5, 4))
+    mask = jnp.broadcast_to(jnp.arange(5)[None, :, None] < 3, x.shape)
+    np.testing.assert_allclose(ours(x, mask=mask), flax(x, mask=mask), atol=1e-6)

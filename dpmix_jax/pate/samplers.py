@@ -14,7 +14,9 @@ Both samplers take the teachers' next-token logits `(n, V)` for one decoding ste
 Lazy coordinated sampler (`top_k=K`). Same law as the full scan, but the shared noise is drawn
 only where it can matter. Once per call: each teacher's K best tokens T_i and b_i = the largest
 x_ij outside T_i; the head S = ∪_i T_i; the complement V \\ S sorted by max_i x_ij (descending)
-and cut into blocks B_1, B_2, ... of sizes 1, 2, 4, ...; c_ib = max_{j ∈ B_b} x_ij.
+and cut into blocks B_1, B_2, ... of sizes 1, 2, 4, ...; c_ib >= max_{j ∈ B_b} x_ij, exact for
+the first ten blocks (the 1023 best-ranked outside tokens, the ones that compete) and
+min(b_i, max_{j ∈ B_b} max_l x_lj) beyond them (one pass over V instead of n·V).
 Per histogram, only g_S (|S| Gumbels) and the block maxima M_b = max_{j ∈ B_b} g_j are drawn:
 M_b ~ Gumbel(loc = log |B_b|), since P(max of m iid Gumbel(0, 1) ≤ y) = exp(-m e^{-y}).
 Teacher i's best head token w_i = max_{j ∈ T_i} (x_ij + g_j) is its vote when it beats the
@@ -31,12 +33,14 @@ m - 1 values are iid Gumbel truncated to (-∞, M_b), drawn by inverse CDF (F(y)
 F^{-1}(u·F(M_b)) = -log(E + exp(-M_b)) with E = -log u ~ Exp(1)). The sets S and B_b depend on
 the logits only, never on the noise, so drawing lazily biases nothing. The completed vector
 therefore has the law of V iid Gumbels, certified votes are its argmaxes, and the failing teachers
-are rescanned on it exactly. Output histograms thus have the full scan's law (not its bits for the
-same key). With n·K ≪ V and peaked (LM-like) teachers most histograms need no completion (cost
-O(|S| + n·(K + L + B)) instead of O(n·V)); a single block (one M over V \\ S) would be valid too
-but far looser, as it treats every outside token like the largest one. When |S| is a large part
-of V the full scan is used directly. No truncation (top-p) is offered: that would be a different
-distribution.
+are rescanned on it exactly: a failing teacher's vote scores at least its best head score w_i,
+and x_ij <= max_l x_lj, so only tokens with max_l x_lj + g_j >= min_i w_i (usually a handful) are
+scanned, or the whole vocabulary when there are many. Output histograms thus have the full scan's
+law (not its bits for the same key). With n·K ≪ V and peaked (LM-like) teachers most histograms
+need no completion (cost O(|S| + n·(K + L + B)) instead of O(n·V)); a single block (one M over
+V \\ S) would be valid too but far looser, as it treats every outside token like the largest one.
+When |S| is a large part of V the full scan is used directly. No truncation (top-p) is offered:
+that would be a different distribution.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -59,6 +63,8 @@ __all__ = ["coordinated_histograms", "independent_histograms"]
 
 _LEADERS = 8  # largest head-noise values whose exact scores enter the certificate
 _DEFAULT_BATCH = 4  # histograms vmapped together in the lazy sampler's main pass
+_EXACT_BLOCKS = 10  # blocks (2^E - 1 best-ranked complement tokens) with exact per-teacher c_ib
+_RESCAN_TOKENS = 128  # candidate tokens of a pruned rescan (more: scan the whole vocabulary)
 
 
 def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) -> None:
@@ -161,8 +167,15 @@ def _head_width(size: int, vocab: int) -> int | None:
     return None if 2 * width > vocab else width
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def _scale(logits, temperature):
+    """float32 logits / t (the input itself when there is nothing to do: no 4·n·V-byte copy)."""
+    if temperature == 1.0 and logits.dtype == jnp.float32:
+        return logits
+    return _divide(logits, temperature)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _divide(logits, temperature):
     return logits.astype(jnp.float32) / temperature
 
 
@@ -244,6 +257,7 @@ class _Plan(NamedTuple):
     block_start: jax.Array  # (B + 1,) block b = complement ranks [start_b, start_{b+1})
     ranked: jax.Array  # (V,) complement token ids by decreasing max_i x_ij, then S
     block_of: jax.Array  # (V,) block of each token, B for tokens of S
+    column_max: jax.Array  # (V,) max_i x_ij
 
 
 @functools.partial(jax.jit, static_argnums=4)
@@ -259,11 +273,26 @@ def _plan(scaled, values, head_tokens, in_head, width):
     num_blocks = int(np.ceil(np.log2(vocab + 1)))
     size = vocab - jnp.sum(in_head)
     block_start = jnp.minimum(2 ** jnp.arange(num_blocks + 1) - 1, size).at[-1].set(size)
-    ranked = jnp.argsort(jnp.where(in_head, jnp.inf, -_column_max(scaled)), stable=True)
+    column_max = _column_max(scaled)
+    # Tokens of S last, after every complement token (also those with column max -inf).
+    finite_last = jnp.minimum(-column_max, jnp.finfo(jnp.float32).max)
+    ranked = jnp.argsort(jnp.where(in_head, jnp.inf, finite_last), stable=True)
     rank = jnp.zeros(vocab, jnp.int32).at[ranked].set(jnp.arange(vocab, dtype=jnp.int32))
     block_of = jnp.searchsorted(block_start, rank, side="right") - 1
     block_of = jnp.where(in_head, num_blocks, block_of)
-    block_x = jax.ops.segment_max(scaled.T, block_of, num_blocks + 1).T  # faster than a vmap
+    # c_ib exactly for the first blocks, the complement's best-ranked tokens (one (n, 2^E - 1)
+    # gather); beyond them the bound min(b_i, max_{j ∈ B_b} max_i x_ij), from (V,) values only.
+    exact_blocks = min(num_blocks, _EXACT_BLOCKS)
+    span = min(2**exact_blocks - 1, vocab)
+    leading = jnp.take(scaled, ranked[:span], axis=1)
+    leading = jnp.where(jnp.arange(span) < size, leading, -jnp.inf)
+    exact = [
+        jnp.max(leading[:, 2**b - 1 : min(2 ** (b + 1) - 1, span)], axis=1)
+        for b in range(exact_blocks)
+    ]
+    loose = jax.ops.segment_max(column_max, block_of, num_blocks + 1)[:num_blocks]
+    block_x = jnp.minimum(values[:, top_k, None], loose)
+    block_x = block_x.at[:, :exact_blocks].set(jnp.stack(exact, axis=1))
     return _Plan(
         head=head,
         head_x=head_x,
@@ -271,11 +300,12 @@ def _plan(scaled, values, head_tokens, in_head, width):
         cand_pos=cand_pos % width,
         cand_tokens=head_tokens,
         outside=values[:, top_k],
-        block_x=block_x[:, :num_blocks],
+        block_x=block_x,
         log_sizes=jnp.log(jnp.diff(block_start).astype(jnp.float32)),
         block_start=block_start,
         ranked=ranked,
         block_of=block_of,
+        column_max=column_max,
     )
 
 
@@ -287,22 +317,33 @@ def _sparse_noise(key, plan: _Plan):
     return head_noise, jax.random.gumbel(key_blocks, plan.log_sizes.shape) + plan.log_sizes
 
 
+def _largest(x, count):
+    """`jax.lax.top_k(x, count)` for a small count, by repeated argmax (XLA:CPU sorts instead)."""
+    values, indices = [], []
+    for _ in range(count):
+        index = _first_argmax(x)
+        values.append(x[index])
+        indices.append(index)
+        x = x.at[index].set(-jnp.inf)
+    return jnp.stack(values), jnp.stack(indices)
+
+
 def _certified_votes(key, plan: _Plan):
-    """Each teacher's best head token and whether the certificate proves it is its vote."""
+    """Each teacher's best head token, its score, and whether the certificate proves it wins."""
     vocab = plan.ranked.shape[0]
     head_noise, block_max = _sparse_noise(key, plan)
     scores = plan.cand_values + head_noise[plan.cand_pos]
     best = jnp.max(scores, axis=-1)
     # Ties go to the smallest token id, as in the full scan.
     winner = jnp.min(jnp.where(scores == best[:, None], plan.cand_tokens, vocab), axis=-1)
-    leader_noise, leaders = jax.lax.top_k(head_noise, _LEADERS + 1)
+    leader_noise, leaders = _largest(head_noise, _LEADERS + 1)
     leader_scores = plan.head_x[:, leaders[:-1]] + leader_noise[:-1]
     leader_scores = jnp.where(plan.head[leaders[:-1]] == winner[:, None], -jnp.inf, leader_scores)
     bound = jnp.maximum(
         jnp.maximum(jnp.max(leader_scores, axis=-1), plan.outside + leader_noise[-1]),
         jnp.max(plan.block_x + block_max, axis=-1),
     )
-    return winner, ~(best > bound)
+    return winner, best, ~(best > bound)
 
 
 def _full_noise(key, plan: _Plan):
@@ -324,7 +365,7 @@ def _full_noise(key, plan: _Plan):
 def _coordinated_lazy(key, scaled, plan, num_histograms, fallback_rows, batch_size):
     n, vocab = scaled.shape
     keys = jax.random.split(key, num_histograms)
-    votes, failing = jax.lax.map(
+    votes, best, failing = jax.lax.map(
         functools.partial(_certified_votes, plan=plan), keys, batch_size=batch_size
     )
     flagged = jnp.any(failing, axis=1)
@@ -333,15 +374,31 @@ def _coordinated_lazy(key, scaled, plan, num_histograms, fallback_rows, batch_si
     def rescan(i, votes):
         h = order[i]
         noise = _full_noise(keys[h], plan)
-        rows = jnp.nonzero(failing[h], size=n + fallback_rows, fill_value=n)[0]
+        # A failing teacher's vote scores at least its best head score, and x_ij <= max_i x_ij:
+        # tokens whose column maximum plus noise stays below the smallest such score are no
+        # teacher's vote. Usually only a few tokens are left to scan.
+        floor = jnp.min(jnp.where(failing[h], best[h], jnp.inf))
+        candidates = plan.column_max + noise >= floor
+        tokens = jnp.nonzero(candidates, size=_RESCAN_TOKENS, fill_value=vocab)[0]
 
-        def some_rows(j, row_votes):
-            some = jax.lax.dynamic_slice(rows, (j * fallback_rows,), (fallback_rows,))
-            rescanned = _first_argmax(scaled[jnp.minimum(some, n - 1)] + noise)
-            return row_votes.at[some].set(rescanned, mode="drop")
+        def pruned_scan(row_votes):
+            x = jnp.take(scaled, tokens, axis=1, mode="fill", fill_value=-jnp.inf)
+            scores = x + jnp.take(noise, tokens, mode="fill", fill_value=-jnp.inf)
+            return jnp.where(failing[h], tokens[_first_argmax(scores)], row_votes)
 
-        count = -(-jnp.sum(failing[h]) // fallback_rows)
-        return votes.at[h].set(jax.lax.fori_loop(0, count, some_rows, votes[h]))
+        def full_scan(row_votes):
+            rows = jnp.nonzero(failing[h], size=n + fallback_rows, fill_value=n)[0]
+
+            def some_rows(j, row_votes):
+                some = jax.lax.dynamic_slice(rows, (j * fallback_rows,), (fallback_rows,))
+                rescanned = _first_argmax(scaled[jnp.minimum(some, n - 1)] + noise)
+                return row_votes.at[some].set(rescanned, mode="drop")
+
+            count = -(-jnp.sum(failing[h]) // fallback_rows)
+            return jax.lax.fori_loop(0, count, some_rows, row_votes)
+
+        few = jnp.sum(candidates) <= _RESCAN_TOKENS
+        return votes.at[h].set(jax.lax.cond(few, pruned_scan, full_scan, votes[h]))
 
     votes = jax.lax.fori_loop(0, jnp.sum(flagged), rescan, votes)
     return jax.vmap(lambda v: _bincount(v, vocab))(votes)

@@ -12,7 +12,8 @@ the per-example gradient otherwise (its B·d_in·d_out floats are then fewer tha
 d_out) of the layer's kept input and output gradient, and the clipped sum is a weighted sum of it).
 Embeddings use one-hot inputs (the Gram of the ids is an equality test), a tied output head
 (`logits = h @ Eᵀ`) puts the logit gradient on the table side, convolutions use their unfolded
-patches for the Gram form and their transpose in the kernel otherwise, and the scale and shift of
+patches for both forms (per-example kernels are batched matmuls of patches and output gradients,
+taken in cache-sized chunks of examples on CPU), and the scale and shift of
 a normalisation layer have direct per-example gradients Σ_t x̂_t ⊙ v_t and Σ_t v_t. A parameter
 used by several layers (a tied embedding) gets the cross terms Σ_{t,s} (u_t · u'_s)(v_t · v'_s)
 too, so its norm is that of the summed gradient.
@@ -70,6 +71,8 @@ TapedLossFn = Callable[[PyTree, PyTree, "Tape"], jax.Array]
 # Where a factor of an outer product comes from: the layer's recorded input ("input"), its
 # recorded integer ids read as one-hot rows ("ids"), or the gradient at its output ("grad").
 _INPUT, _IDS, _GRAD = "input", "ids", "grad"
+# Working-set size of one chunk of per-example convolution gradients on CPU (about an L2/L3 slice).
+_CPU_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,63 @@ class _Conv:
     def kernel_size(self) -> tuple[int, ...]:
         rhs = self.dimension_numbers[1]
         return tuple(self.kernel_shape[rhs.index(c)] for c in self.spatial)
+
+    def unfold(self, x: jax.Array) -> jax.Array:
+        """(B, k·C, T) input patches: kernel offsets, then channels; output positions last.
+
+        Built from strided slices of the padded input in channel-major layout, so that the
+        positions axis is contiguous for the contraction over it (XLA's generic patch
+        extraction is a convolution with an identity kernel, several times slower on CPU).
+        """
+        lhs = self.dimension_numbers[0]
+        spatial = [lhs.index(c) for c in self.spatial]
+        x = jnp.transpose(x, (lhs.index("N"), lhs.index("C"), *spatial))
+        in_sizes = x.shape[2:]
+        pads = self.padding
+        if isinstance(pads, str):
+            pads = jax.lax.padtype_to_pads(in_sizes, self.kernel_size, self.strides, pads)
+        x = jnp.pad(x, ((0, 0), (0, 0), *pads))
+        out_sizes = [
+            (n + lo + hi - k) // s + 1
+            for n, (lo, hi), k, s in zip(
+                in_sizes, pads, self.kernel_size, self.strides, strict=True
+            )
+        ]
+        slices = [
+            x[(..., *(slice(o, o + s * (n - 1) + 1, s)
+                      for o, s, n in zip(offset, self.strides, out_sizes, strict=True)))]
+            for offset in itertools.product(*map(range, self.kernel_size))
+        ]  # fmt: skip
+        return jnp.stack(slices, axis=1).reshape(x.shape[0], -1, math.prod(out_sizes))
+
+    def channel_major(self, out_grads: jax.Array) -> jax.Array:
+        """(B, O, T) output gradients, positions in the order of `unfold`."""
+        out = self.dimension_numbers[2]
+        axes = (out.index("N"), out.index("C"), *(out.index(c) for c in self.spatial))
+        g = jnp.transpose(out_grads, axes)
+        return g.reshape(*g.shape[:2], -1)
+
+    def per_example_kernel_grads(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
+        """(B, *kernel_shape) kernel gradients: batched matmuls over unfolded patches.
+
+        On CPU the examples go through in chunks whose patches fit in cache; a whole batch's
+        patches can be far larger than the kernels, and the contraction slows several-fold
+        once they spill.
+        """
+        out_channels = self.kernel_shape[self.dimension_numbers[1].index("O")]
+        patch_rows = math.prod(self.kernel_shape) // out_channels
+        positions = out_grads[0].size // out_channels
+        patch_bytes = 4 * patch_rows * positions
+        return _map_in_chunks(self._kernel_grads, (inputs, out_grads), patch_bytes)
+
+    def _kernel_grads(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
+        # Without the barrier XLA:CPU fuses the slicing into the matmul's operand and loses its
+        # fast dot kernel.
+        patches = jax.lax.optimization_barrier(self.unfold(inputs))
+        grads = jnp.einsum("bkt,bot->bko", patches, self.channel_major(out_grads))
+        grads = grads.reshape(grads.shape[0], *self.kernel_size, -1, grads.shape[-1])
+        order = self.spatial + "IO"
+        return jnp.transpose(grads, (0, *(1 + order.index(c) for c in self.dimension_numbers[1])))
 
     def kernel_grad(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
         """Σ over examples and positions of the kernel gradient: the conv transposed in it."""
@@ -234,24 +294,24 @@ class Tape:
         return self._record(name, outputs, uses, {"normalized": normalized})
 
 
+def _map_in_chunks(fn: Callable, batch: tuple, bytes_per_example: int) -> jax.Array:
+    """`fn(*batch)` for a batched `fn`, chunked over examples on CPU to stay cache-resident."""
+    size = batch[0].shape[0]
+    chunk = (
+        size if jax.default_backend() != "cpu" else max(1, _CPU_CHUNK_BYTES // bytes_per_example)
+    )
+    if chunk >= size:
+        return fn(*batch)
+    return jax.lax.map(lambda one: fn(*(x[None] for x in one))[0], batch, batch_size=chunk)
+
+
+def _positions_last(patches: jax.Array) -> jax.Array:
+    return jnp.swapaxes(patches, 1, 2)
+
+
 def _rows(x: jax.Array) -> jax.Array:
     """(B, ..., d) -> (B, T, d); a rank-2 array is one position per example."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
-
-
-def _patches(x: jax.Array, conv: _Conv) -> jax.Array:
-    """(B, P, C·k) unfolded input patches, P = output positions (channel-major, as in lax)."""
-    lhs, _, out = conv.dimension_numbers
-    patches = jax.lax.conv_general_dilated_patches(
-        x,
-        conv.kernel_size,
-        conv.strides,
-        conv.padding,
-        dimension_numbers=(lhs, "OI" + conv.spatial, out),
-    )
-    if out.index("C") != len(out) - 1:
-        patches = jnp.moveaxis(patches, out.index("C"), -1)
-    return _rows(patches)
 
 
 class _Factors:
@@ -269,7 +329,7 @@ class _Factors:
                 value = self._arrays[f"{name}/ids"].reshape(self._grads[name].shape[0], -1)
             else:
                 layer, x = self._layers[name], self._arrays[f"{name}/input"]
-                value = _rows(x) if layer.conv is None else _patches(x, layer.conv)
+                value = _rows(x) if layer.conv is None else _positions_last(layer.conv.unfold(x))
             self._cache[(name, side)] = value if side == _IDS else value.astype(jnp.float32)
         return self._cache[(name, side)]
 
@@ -391,7 +451,7 @@ class _BookKeeper:
         """(B, ...) per-example gradients of a single-use matrix parameter, in its layout."""
         if conv := self._convs[name]:
             inputs, out_grads = self._factors.conv_arrays(name)
-            return jax.vmap(lambda x, g: conv.kernel_grad(x[None], g[None]))(inputs, out_grads)
+            return conv.per_example_kernel_grads(inputs, out_grads)
         left, right = self._factors.get(name, use.left), self._factors.get(name, use.right)
         return jnp.einsum("btn,btm->bnm", left, right)
 

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dpmix_jax.models.resnet import Conv
+from dpmix_jax.models.resnet import Conv, GroupNorm, group_statistics
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum
 from dpmix_jax.privacy.ghost import Tape, ghost_clipped_grad_sum
 
@@ -109,10 +109,14 @@ class _TapGroupNorm(nnx.GroupNorm):
             raise ValueError("ghost clipping supports GroupNorm over all non-batch axes only.")
         tape, path = _tap(self)
         outputs = super().__call__(x)
-        grouped = x.reshape(*x.shape[:-1], self.num_groups, self.group_size)
-        axes = (*range(1, x.ndim - 1), x.ndim)
-        normalized = _normalize(grouped, axes, self.epsilon).reshape(x.shape)
+        mean, inv_std = group_statistics(x, self.num_groups, self.epsilon)
+        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
+        normalized = (x.astype(jnp.float32) - mean.reshape(shape)) * inv_std.reshape(shape)
         return tape.scale_shift(_name(path), normalized, outputs, **_affine_keys(self, path))
+
+
+class _TapResNetGroupNorm(_TapGroupNorm, GroupNorm):
+    """The tap over the ResNet's GroupNorm (its own forward, the same recorded arrays)."""
 
 
 class _TapConv(Conv):
@@ -132,6 +136,7 @@ _TAPPED = {
     nnx.Embed: _TapEmbed,
     nnx.LayerNorm: _TapLayerNorm,
     nnx.GroupNorm: _TapGroupNorm,
+    GroupNorm: _TapResNetGroupNorm,
     Conv: _TapConv,
 }
 _PARAM_NAMES = ("kernel", "bias", "embedding", "scale")
