@@ -48,7 +48,7 @@ from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
 from dpmix_jax.pate import samplers
 from dpmix_jax.privacy import noise
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
-from experiments.configs.bench_grads import BenchConfig, ModelBench, get_config
+from experiments.configs.bench_grads import PRESETS, BenchConfig, ModelBench, get_config
 
 LEARNING_RATE, NOISE_MULTIPLIER, CLIP_NORM = 0.01, 1.0, 1.0
 DP_METHODS = {"dp_vmap": "vmap", "dp_microbatch": "vmap", "dp_ghost": "ghost"}
@@ -493,7 +493,7 @@ def run(config: BenchConfig) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=("micro", "cpu", "gpu"))
+    parser.add_argument("--preset", default="cpu", choices=PRESETS)
     parser.add_argument("--json", default=None, help="write the results to this path")
     args = parser.parse_args(argv)
     report = run(get_config(args.preset))
@@ -506,11 +506,13 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         print(f"  {row['model']:<12} B={row['batch_size']:<5} {row['fastest_dp']:<14} "
               f"{ratios[0]:>6} {ratios[1]:>6}")  # fmt: skip
-    print("\nDP-MixMin (nll): seconds per step")
+    if report["mixmin"]:
+        print("\nDP-MixMin (nll): seconds per step")
     for row in report["mixmin"]:
         print(f"  k={row['sources']:<5} B={row['batch_size']} {row['method']:<11} "
               f"{1e3 * row['step_seconds']:.3f} ms")  # fmt: skip
-    print("\nHot PATE: histograms per second (cost relative to independent)")
+    if report["pate"]:
+        print("\nHot PATE: histograms per second (cost relative to independent)")
     independent = {r["logits"]: r for r in report["pate"] if r["method"] == "independent"}
     for row in report["pate"]:
         cost = independent[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]

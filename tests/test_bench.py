@@ -5,7 +5,7 @@ import json
 import pytest
 
 from experiments import bench_grads
-from experiments.configs.bench_grads import METHODS, BenchConfig, ModelBench, get_config
+from experiments.configs.bench_grads import METHODS, PRESETS, BenchConfig, ModelBench, get_config
 
 
 @pytest.mark.slow
@@ -53,3 +53,5 @@ def test_config_validation():
         BenchConfig(models=(spec,), methods=("nonprivate", "jit"))
     with pytest.raises(ValueError, match="preset"):
         get_config("tpu-pod")
+    for preset in PRESETS:
+        assert get_config(preset).models

@@ -3,6 +3,8 @@
 - "micro": the tiny GPT-2 at batch 4, one round, toy MixMin and PATE sizes (used by the tests).
 - "cpu": the tiny ResNet and GPT-2 presets at two batch sizes, plus DP-MixMin (k = 16, 1000) and
   Hot PATE (n = 512, V = 50,257, r = 1000, top-K path); a few minutes on 2 cores.
+- "cpu_small": ResNet-18 (batch 16) and GPT-2 small (sequence length 256, batch 4) on CPU, the
+  non-private, vmap, ghost and Opacus steps only, no MixMin or PATE parts; about 4 minutes.
 - "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
+PRESETS = ("micro", "cpu", "cpu_small", "gpu")
 METHODS = ("nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "opacus_nonprivate", "opacus_dp")
 
 
@@ -98,7 +101,7 @@ class BenchConfig:
 
 
 def get_config(preset: str = "cpu") -> BenchConfig:
-    """The named preset: "micro", "cpu" or "gpu"."""
+    """The named preset: "micro", "cpu", "cpu_small" or "gpu"."""
     if preset == "micro":
         return BenchConfig(
             models=(ModelBench(model="gpt2_tiny", batch_sizes=(4,), microbatch_size=2, seq_len=8),),
@@ -113,6 +116,16 @@ def get_config(preset: str = "cpu") -> BenchConfig:
                 ModelBench(model="gpt2_tiny", batch_sizes=(8, 32), microbatch_size=8),
             ),
         )
+    if preset == "cpu_small":
+        return BenchConfig(
+            models=(
+                ModelBench(model="resnet18", batch_sizes=(16,), microbatch_size=8),
+                ModelBench(model="gpt2_small", batch_sizes=(4,), microbatch_size=2, seq_len=256),
+            ),
+            methods=("nonprivate", "dp_vmap", "dp_ghost", "opacus_nonprivate", "opacus_dp"),
+            warmup_steps=1, rounds=2, steps_per_round=2, mixmin_sources=(), pate_teachers=0,
+            memory_analysis=False,
+        )  # fmt: skip
     if preset == "gpu":
         return BenchConfig(
             models=(
@@ -125,4 +138,4 @@ def get_config(preset: str = "cpu") -> BenchConfig:
             steps_per_round=10,
             warmup_steps=3,
         )
-    raise ValueError(f"unknown preset {preset!r}; choose micro, cpu or gpu.")
+    raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}.")
