@@ -17,11 +17,13 @@ import pathlib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import jax
 import numpy as np
 
 from dpmix_jax.data.sources import group_disjoint_split, random_split
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.privacy import accounting
+from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, fit
 
 Method = Literal["dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin"]
 METHODS: tuple[Method, ...] = (
@@ -289,10 +291,11 @@ def budget_from_json(data: Mapping[str, float]) -> accounting.PrivacyBudget:
 class MixturePipeline(abc.ABC):
     """DP-MixMin and its baselines through one set of stages; subclasses provide the stages.
 
-    A subclass defines `config` (with `delta`, `composition`, `sequential_mixture_share`,
-    `random_search_candidates`), `k` (the number of public sources), `higher_is_better` and the
-    stages below; this class runs the five methods on them, stores each run's result and composes
-    the budgets.
+    A subclass defines `config` (with `delta`, `composition`, `mix_fraction`, `mixture`,
+    `finetune`, `sequential_mixture_share`, `random_search_candidates`), `task` (with a `train`
+    split), `k` (the number of public sources), `higher_is_better` and the abstract stages below;
+    this class splits the data, runs the five methods, stores each run's result and composes the
+    budgets.
     """
 
     higher_is_better: bool
@@ -332,10 +335,18 @@ class MixturePipeline(abc.ABC):
         """The downstream model pretrained on λ (fresh initialisation for None)."""
 
     @abc.abstractmethod
-    def finetune(
-        self, init: Any, init_name: str, part: str, epsilon: float, seed: int
-    ) -> tuple[Any, accounting.PrivacyBudget]:
-        """DP fine-tuning on D_ft (`part="ft"`) or the whole train split (`"all"`)."""
+    def split_groups(self) -> np.ndarray | None:
+        """Per train row, the unit that D_mix and D_ft must not share (patient, user), or None."""
+
+    @abc.abstractmethod
+    def finetune_trainer(
+        self, init: Any, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
+    ) -> tuple[Trainer, IndexedData]:
+        """The DP trainer and its data for fine-tuning `init` on the train rows `rows`.
+
+        Privacy: the data holds the sensitive rows; the trainer's `num_units` must count the
+        privacy units among them (examples, or users at user level).
+        """
 
     @abc.abstractmethod
     def utility(self, model: Any, split: str) -> float:
@@ -343,6 +354,54 @@ class MixturePipeline(abc.ABC):
 
     def _store(self, seed: int) -> StageStore:
         return StageStore(self.root / f"seed{seed}")
+
+    def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Disjoint (D_mix, D_ft) positions of the sensitive train split, disjoint in the units of
+        `split_groups`; with sequential composition both are the whole split.
+
+        Privacy: a seeded permutation of rows (or units), independent of their content, so the two
+        parts' stages compose in parallel under the level's neighbouring relation.
+        """
+        if self.config.composition == "sequential":
+            everything = np.arange(len(self.task.train))
+            return everything, everything
+
+        def compute():
+            self._on_stage("split")
+            mix, ft = split_mixture(
+                len(self.task.train),
+                self.config.mix_fraction,
+                seed=seed,
+                group_ids=self.split_groups(),
+            )
+            return {"mix": mix, "ft": ft}
+
+        stored = self._store(seed).json("split", compute)
+        return np.asarray(stored["mix"], np.int64), np.asarray(stored["ft"], np.int64)
+
+    def finetune(
+        self, init: Any, init_name: str, part: str, epsilon: float, seed: int
+    ) -> tuple[Any, accounting.PrivacyBudget]:
+        """DP fine-tuning from `init` on D_ft (`part="ft"`) or the whole train split (`"all"`).
+
+        Privacy: DP-SGD at (ε, δ) on the chosen part (`finetune_trainer`); the returned budget is
+        the ledger's for the steps executed (restored, not re-spent, on resume). The noise key is
+        distinct for every (init, part, ε) and derived from the secret run seed.
+        """
+        _, ft = self.split(seed)
+        rows = ft if part == "ft" else np.arange(len(self.task.train))
+        part = f"{part}_{self.config.composition}" if part == "ft" else part
+        config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
+        name = f"finetune_{init_name}_{part}_eps{epsilon:g}"
+        checkpointer = Checkpointer(self._store(seed).path(name))
+        if checkpointer.latest_step() != config.steps:
+            self._on_stage("finetune")
+        noise_key = jax.random.key(derived_seed(seed, name))
+        trainer, data = self.finetune_trainer(init, config, rows, noise_key)
+        rng = np.random.default_rng(derived_seed(seed, name, "sampler"))
+        result = fit(trainer, data, rng=rng, checkpointer=checkpointer)
+        checkpointer.close()
+        return result.model, result.ledger.budget(self.config.delta, config.accountant)
 
     def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
         """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports.

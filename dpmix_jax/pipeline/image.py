@@ -170,25 +170,9 @@ class ImagePipeline(common.MixturePipeline):
         return self.task.k
 
     # ------------------------------------------------------------------ stages
-    def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """Disjoint (D_mix, D_ft) positions of the sensitive train split (patient-disjoint when the
-        source has group ids); with sequential composition both are the whole split."""
-        if self.config.composition == "sequential":
-            everything = np.arange(len(self.task.train))
-            return everything, everything
-
-        def compute():
-            self._on_stage("split")
-            mix, ft = common.split_mixture(
-                len(self.task.train),
-                self.config.mix_fraction,
-                seed=seed,
-                group_ids=self.task.train.group_ids,
-            )
-            return {"mix": mix, "ft": ft}
-
-        stored = self._store(seed).json("split", compute)
-        return np.asarray(stored["mix"], np.int64), np.asarray(stored["ft"], np.int64)
+    def split_groups(self) -> np.ndarray | None:
+        """Patient ids where the source has them (D_mix and D_ft are then patient-disjoint)."""
+        return self.task.train.group_ids
 
     def _fit_public(self, name: str, seed: int, config: TrainConfig, model, loss) -> nnx.Module:
         store = self._store(seed)
@@ -246,37 +230,25 @@ class ImagePipeline(common.MixturePipeline):
             name, seed, self.config.pretrain, model, losses.mixture_bce(weights)
         )
 
-    def finetune(
-        self, init: nnx.Module, init_name: str, part: str, epsilon: float, seed: int
-    ) -> tuple[nnx.Module, accounting.PrivacyBudget]:
-        """DP fine-tuning from `init` on D_ft (`part="ft"`) or the whole train split (`"all"`).
+    def finetune_trainer(
+        self, init: nnx.Module, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
+    ) -> tuple[Trainer, IndexedData]:
+        """Example-level DP-SGD on the multi-label BCE of the task's labels at `rows`.
 
-        Privacy: DP-SGD on the chosen part at (ε, δ); the returned budget is the ledger's for the
-        steps executed (restored, not re-spent, on resume).
+        Privacy: one unit per example; the rows are read only by the accounted trainer.
         """
-        mix, ft = self.split(seed)
-        rows = ft if part == "ft" else np.arange(len(self.task.train))
-        part = f"{part}_{self.config.composition}" if part == "ft" else part
-        config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
-        name = f"finetune_{init_name}_{part}_eps{epsilon:g}"
-        checkpointer = Checkpointer(self._store(seed).path(name))
-        if checkpointer.latest_step() != config.steps:
-            self._on_stage("finetune")
         trainer = Trainer(
             config,
             init,
             losses.sigmoid_bce(target_key="labels"),
             num_units=len(rows),
-            noise_key=jax.random.key(common.derived_seed(seed, name)),
+            noise_key=noise_key,
         )
         data = IndexedData(
             gather=_subset_gather(self.task.train, rows, self.task.task_index),
             num_examples=len(rows),
         )
-        rng = np.random.default_rng(common.derived_seed(seed, name, "sampler"))
-        result = fit(trainer, data, rng=rng, checkpointer=checkpointer)
-        checkpointer.close()
-        return result.model, result.ledger.budget(self.config.delta, config.accountant)
+        return trainer, data
 
     def utility(self, model: nnx.Module, split: str) -> float:
         """Test (or validation) AUC of the downstream model. Evaluation only, not released."""

@@ -323,30 +323,9 @@ class TextPipeline(common.MixturePipeline):
         return packed.tokens, packed.mask, packed.group_ids
 
     # ------------------------------------------------------------------ stages
-    def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """Disjoint (D_mix, D_ft) positions of the sensitive train split, user-disjoint at user
-        level; with sequential composition both are the whole split.
-
-        Privacy: a seeded permutation of users (documents), independent of their content, so the
-        two parts' stages compose in parallel under the level's neighbouring relation.
-        """
-        if self.config.composition == "sequential":
-            everything = np.arange(len(self.task.train))
-            return everything, everything
-        user_level = self.config.level == "user"
-
-        def compute():
-            self._on_stage("split")
-            mix, ft = common.split_mixture(
-                len(self.task.train),
-                self.config.mix_fraction,
-                seed=seed,
-                group_ids=self.task.train.user_ids if user_level else None,
-            )
-            return {"mix": mix, "ft": ft}
-
-        stored = self._store(seed).json("split", compute)
-        return np.asarray(stored["mix"], np.int64), np.asarray(stored["ft"], np.int64)
+    def split_groups(self) -> np.ndarray | None:
+        """Users at user level (D_mix and D_ft are then user-disjoint), None at example level."""
+        return self.task.train.user_ids if self.config.level == "user" else None
 
     def _public_trainer(self, name: str, config: TrainConfig, spec: LanguageModelSpec) -> Trainer:
         """One public `Trainer` per role, compiled once and reused for every model it trains."""
@@ -486,24 +465,15 @@ class TextPipeline(common.MixturePipeline):
         )
         return IndexedData(gather=_row_gather(tokens, mask), num_examples=len(rows)), len(rows)
 
-    def finetune(
-        self, init: GPT2, init_name: str, part: str, epsilon: float, seed: int
-    ) -> tuple[GPT2, accounting.PrivacyBudget]:
-        """DP fine-tuning from `init` on D_ft (`part="ft"`) or the whole train split (`"all"`).
+    def finetune_trainer(
+        self, init: GPT2, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
+    ) -> tuple[Trainer, IndexedData]:
+        """DP-SGD on the next-token loss of the train documents at `rows` (`_finetune_data`),
+        training the last `finetune_last_blocks` blocks or everything.
 
-        Privacy: DP-SGD at (ε, δ) on the chosen part, at the configured level (user level:
-        Poisson-sampled users, up to G rows each, averaged, clipped); the returned budget is the
-        ledger's for the steps executed (restored, not re-spent, on resume). The noise key is
-        distinct for every (init, part, ε) and derived from the secret run seed.
+        Privacy: at user level Poisson-sampled users, up to G rows each, averaged and clipped;
+        `num_units` counts the users (or documents) among `rows`.
         """
-        _, ft = self.split(seed)
-        rows = ft if part == "ft" else np.arange(len(self.task.train))
-        part = f"{part}_{self.config.composition}" if part == "ft" else part
-        config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
-        name = f"finetune_{init_name}_{part}_eps{epsilon:g}"
-        checkpointer = Checkpointer(self._store(seed).path(name))
-        if checkpointer.latest_step() != config.steps:
-            self._on_stage("finetune")
         data, num_units = self._finetune_data(rows)
         last = self.config.finetune_last_blocks
         trainer = Trainer(
@@ -512,12 +482,9 @@ class TextPipeline(common.MixturePipeline):
             losses.next_token_nll(mask_key="mask"),
             trainable_mask=None if last is None else trainable_mask(init, last_n_blocks=last),
             num_units=num_units,
-            noise_key=jax.random.key(common.derived_seed(seed, name)),
+            noise_key=noise_key,
         )
-        rng = np.random.default_rng(common.derived_seed(seed, name, "sampler"))
-        result = fit(trainer, data, rng=rng, checkpointer=checkpointer)
-        checkpointer.close()
-        return result.model, result.ledger.budget(self.config.delta, config.accountant)
+        return trainer, data
 
     def utility(self, model: GPT2, split: Split) -> float:
         """Perplexity of the LM on a sensitive split's documents, packed per unit (test or
