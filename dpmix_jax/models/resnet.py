@@ -162,8 +162,9 @@ class Conv(nnx.Module):
 def group_statistics(x: jax.Array, num_groups: int, epsilon: float) -> tuple[jax.Array, jax.Array]:
     """Per-example GroupNorm statistics of channels-last `x`, broadcast to its channels.
 
-    Returns `(mean, inv_std)`, each `(batch, channels)` float32: the mean of the channel's group
-    over all non-batch positions and `1 / sqrt(var + epsilon)` (variance as E[x²] - E[x]²).
+    Returns `(mean, inv_std)`, float32 of shape `(batch, 1, ..., 1, channels)` (broadcastable
+    against `x`): the mean of the channel's group over all non-batch positions and
+    `1 / sqrt(var + epsilon)` (variance as E[x²] - E[x]²).
     Channel sums over positions come first and are then summed per group, which keeps the long
     reductions over a contiguous channel axis.
     """
@@ -177,7 +178,8 @@ def group_statistics(x: jax.Array, num_groups: int, epsilon: float) -> tuple[jax
 
     mean = group_mean(rows)
     var = jnp.maximum(group_mean(jnp.square(rows)) - jnp.square(mean), 0.0)
-    return mean, jax.lax.rsqrt(var + epsilon)
+    shape = (batch,) + (1,) * (x.ndim - 2) + (channels,)
+    return mean.reshape(shape), jax.lax.rsqrt(var + epsilon).reshape(shape)
 
 
 class GroupNorm(nnx.GroupNorm):
@@ -203,8 +205,7 @@ class GroupNorm(nnx.GroupNorm):
         d = -mean * a
         if self.bias is not None:
             d = d + self.bias[...].astype(jnp.float32)
-        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
-        y = x.astype(jnp.float32) * a.reshape(shape) + d.reshape(shape)
+        y = x.astype(jnp.float32) * a + d
         return y.astype(self.dtype or jnp.result_type(x.dtype, self.param_dtype))
 
 

@@ -305,10 +305,6 @@ def _map_in_chunks(fn: Callable, batch: tuple, bytes_per_example: int) -> jax.Ar
     return jax.lax.map(lambda one: fn(*(x[None] for x in one))[0], batch, batch_size=chunk)
 
 
-def _positions_last(patches: jax.Array) -> jax.Array:
-    return jnp.swapaxes(patches, 1, 2)
-
-
 def _rows(x: jax.Array) -> jax.Array:
     """(B, ..., d) -> (B, T, d); a rank-2 array is one position per example."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -329,7 +325,7 @@ class _Factors:
                 value = self._arrays[f"{name}/ids"].reshape(self._grads[name].shape[0], -1)
             else:
                 layer, x = self._layers[name], self._arrays[f"{name}/input"]
-                value = _rows(x) if layer.conv is None else _positions_last(layer.conv.unfold(x))
+                value = _rows(x) if layer.conv is None else jnp.swapaxes(layer.conv.unfold(x), 1, 2)
             self._cache[(name, side)] = value if side == _IDS else value.astype(jnp.float32)
         return self._cache[(name, side)]
 

@@ -110,8 +110,7 @@ class _TapGroupNorm(nnx.GroupNorm):
         tape, path = _tap(self)
         outputs = super().__call__(x)
         mean, inv_std = group_statistics(x, self.num_groups, self.epsilon)
-        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
-        normalized = (x.astype(jnp.float32) - mean.reshape(shape)) * inv_std.reshape(shape)
+        normalized = (x.astype(jnp.float32) - mean) * inv_std
         return tape.scale_shift(_name(path), normalized, outputs, **_affine_keys(self, path))
 
 
