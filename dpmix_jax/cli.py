@@ -1,20 +1,25 @@
 """The `dpmix` command: parses, builds a config, calls the library.
 
-dpmix demo [image|text] [--out DIR] [--epsilons 1 2 5] [--seeds 0 1 2] [--methods ...]
-dpmix run EXPERIMENT [--distributed] [experiment arguments ...]
+dpmix demo [image|text] [--out DIR] [--epsilons 1 2 5] [--seeds 0 1 2] [--delta 1e-5] ...
+dpmix run EXPERIMENT [--mesh data=D,model=M] [--distributed] [experiment arguments ...]
 dpmix audit [arguments ...]          (= dpmix run audit ...)
 dpmix bench [arguments ...]          (= dpmix run bench_grads ...)
 dpmix experiments                    (lists the experiments)
+dpmix report [--add NAME=RUN_DIR ...] [--check]   (README tables from docs/results/*.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
 import runpy
 import sys
+import tempfile
+import textwrap
 import time
 
 EXPERIMENTS = {
@@ -26,12 +31,119 @@ EXPERIMENTS = {
     "k_scaling": "excess MixMin loss against the number of public sources k",
     "ablations": "ρ, proxy epochs, and parallel vs sequential composition",
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
-    "audit": "canary audits of the released λ and of DP-SGD",
+    "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
     "bench_grads": "per-example gradient throughput against non-private steps and Opacus",
 }
 
+# The pipeline's methods (`pipeline.METHODS`; spelled out so that `--help` needs no JAX import).
+METHOD_NAMES = ("dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin")
+
 _SHORTCUTS = {"audit": "audit", "bench": "bench_grads"}  # dpmix NAME ... = dpmix run TARGET ...
+_MAX_SEED = 2**32 - 1
+# Set (to anything but 0) to see the traceback of an error that dpmix reports in one line.
+DEBUG_ENV = "DPMIX_DEBUG"
+
+# The name an experiment's parser shows: `dpmix audit`, `dpmix run enron`, or (when the module
+# is run directly) `python -m experiments.enron`; set by `_run_experiment`.
+_experiment_prog: str | None = None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every option's default and keeps the line breaks of descriptions and epilogs. An
+    option whose default is None says in its help what leaving it out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,model=M",
+        help="device mesh of the training runs: D devices split each batch, M devices split "
+        "large parameters (FSDP); default: every device on data",
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-process run (TPU pods, GPU clusters): every process runs the same command; "
+        "jax.distributed.initialize() reads JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and "
+        "JAX_PROCESS_ID (or detects them on TPU/SLURM); process 0 writes the outputs",
+    )
+
+
+def _use_mesh(args: argparse.Namespace) -> None:
+    """Starts the multi-process runtime if asked and makes `--mesh` the run's mesh."""
+    import jax
+
+    from dpmix_jax import parallel
+
+    out = str(getattr(args, "out", None) or "")
+    if "://" in out or out.startswith("gs:/"):
+        raise ValueError(
+            f"--out {out}: outputs go to a local or mounted folder, not a URL; mount the bucket "
+            "(e.g. with gcsfuse) and give its path"
+        )
+    if args.distributed:
+        _initialize_distributed()
+    if not args.mesh and jax.device_count() == 1:
+        parallel.set_active_mesh(None)  # one device: nothing to shard
+        return
+    config = parallel.parse_mesh(args.mesh) if args.mesh else parallel.MeshConfig()
+    parallel.set_active_mesh(parallel.make_mesh(config), config.fsdp_min_size)
+
+
+class _ExperimentParser(argparse.ArgumentParser):
+    """An experiment's parser: adds `--mesh` and `--distributed` and applies them on parsing."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        try:
+            _use_mesh(parsed)
+        except ValueError as err:
+            self.error(str(err))
+        return parsed, extra
+
+
+def experiment_parser(
+    name: str, description: str, *, examples: tuple[str, ...] = ()
+) -> argparse.ArgumentParser:
+    """The argument parser of `experiments.NAME`, named as the user invoked it.
+
+    Args:
+        name: the experiment's module name under `experiments/`.
+        description: the first lines of the help.
+        examples: command lines (arguments after the program name) shown in the epilog.
+    """
+    prog = _experiment_prog or f"python -m experiments.{name}"
+    epilog = (
+        "examples:\n" + "\n".join(f"  {prog} {e}".rstrip() for e in examples) if examples else None
+    )
+    parser = _ExperimentParser(
+        prog=prog,
+        description=textwrap.fill(description, 79),
+        epilog=epilog,
+        formatter_class=HelpFormatter,
+    )
+    _add_scale_arguments(parser)
+    return parser
+
+
+def add_reproducible_flag(parser: argparse.ArgumentParser, *, seeds: str) -> None:
+    """Adds `--reproducible`: the private mechanisms seeded with `seeds`, not secret randomness."""
+    parser.add_argument(
+        "--reproducible",
+        action="store_true",
+        help=(
+            f"seed the private mechanisms' noise, sampling and splits with {seeds} (exact "
+            "reproduction; not private against anyone who knows them); default: secret "
+            "randomness from the operating system"
+        ),
+    )
 
 
 def _positive_float(text: str) -> float:
@@ -41,54 +153,207 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer from 0 to {_MAX_SEED}, got {text}")
+    return value
+
+
+def _examples(prog: str, *lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {prog} {line}".rstrip() for line in lines)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("dpmix_jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed; run `pip install -e .`)"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dpmix",
         description="Differentially private learning with public data: DP-MixMin and Hot PATE.",
+        epilog=_examples(
+            "dpmix",
+            "demo                      # DP-MixMin vs baselines on the image default",
+            "demo text --out runs/demo_text",
+            "run k_scaling --preset cpu",
+            "audit --preset cpu",
+            "experiments               # list the experiments",
+            "COMMAND --help            # the options of one command",
+        ),
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser(
         "demo",
         help="end-to-end DP-MixMin against the baselines on an embedded default data set",
-        description=(
+        description=textwrap.fill(
             "Runs DP-MixMin, Uniform, Random Init, Random Search and non-private MixMin at each "
             "ε and seed on an embedded default (offline, a few minutes on 2 CPU cores) and "
             "writes results.json, results.md and plots to --out. Finished stages are stored "
             "under --out/stages, so an interrupted demo resumes."
         ),
+        epilog=_examples(
+            "dpmix demo",
+            "",
+            "text --out runs/demo_text",
+            "--epsilons 0.5 1 --seeds 0 --delta 1e-6",
+            "--methods dp_mixmin uniform --quiet",
+        ),
+        formatter_class=HelpFormatter,
     )
-    demo.add_argument("dataset", nargs="?", choices=("image", "text"), default="image")
-    demo.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/demo"))
-    demo.add_argument("--epsilons", type=_positive_float, nargs="+", default=[1.0, 2.0, 5.0])
-    demo.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    demo.add_argument(
+        "dataset",
+        nargs="?",
+        choices=("image", "text"),
+        default="image",
+        help="image: MNIST digits with 12 public label functions (example-level DP); text: "
+        "synthetic e-mail users over 7 public text domains (user-level DP)",
+    )
+    demo.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="output folder (default: runs/demo, runs/demo_text for text): results.json, "
+        "results.md, plots, stages/ (stored stages, for resuming) and xla_cache/ (compiled "
+        "programs)",
+    )
+    demo.add_argument(
+        "--epsilons",
+        type=_positive_float,
+        nargs="+",
+        default=[1.0, 2.0, 5.0],
+        metavar="EPS",
+        help="end-to-end target ε of each run (every method is run at each)",
+    )
+    demo.add_argument(
+        "--delta",
+        type=_probability,
+        default=1e-5,
+        metavar="DELTA",
+        help="δ of every private stage and of the end-to-end guarantee",
+    )
+    demo.add_argument(
+        "--seeds",
+        type=_seed,
+        nargs="+",
+        default=[0, 1, 2],
+        metavar="SEED",
+        help="repetitions; tables and plots show mean ± std over them",
+    )
     demo.add_argument(
         "--methods",
         nargs="+",
-        default=None,
-        help="subset of: dp_mixmin uniform random_init random_search nonprivate_mixmin",
+        choices=METHOD_NAMES,
+        default=list(METHOD_NAMES),
+        metavar="METHOD",
+        help=f"methods to compare, a subset of: {' '.join(METHOD_NAMES)}",
+    )
+    demo.add_argument(
+        "--reproducible",
+        action="store_true",
+        help=(
+            "seed the private mechanisms' noise, sampling and splits with --seeds (exact "
+            "reproduction; not private against anyone who knows the seeds); without it the "
+            "seeds only number the repetitions and private randomness is secret"
+        ),
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_scale_arguments(demo)
 
+    width = max(map(len, EXPERIMENTS))
     run = commands.add_parser(
         "run",
         help="run a paper experiment (see `dpmix experiments`)",
-        description="Runs `python -m experiments.EXPERIMENT` with the remaining arguments.",
+        description=(
+            "Runs `python -m experiments.EXPERIMENT` with the remaining arguments; "
+            "`dpmix run EXPERIMENT --help` shows the experiment's own options.\n\nexperiments:\n"
+            + "\n".join(f"  {name:<{width}}  {text}" for name, text in EXPERIMENTS.items())
+        ),
+        epilog=_examples(
+            "dpmix run",
+            "k_scaling --preset cpu",
+            "enron --preset cpu --out runs/enron",
+            "nih_chexpert --preset paper --nih-root data/nih --public-root data/chexpert",
+            "audit --help",
+        ),
+        formatter_class=HelpFormatter,
     )
-    run.add_argument("experiment", choices=sorted(EXPERIMENTS), metavar="EXPERIMENT")
     run.add_argument(
-        "--distributed",
-        action="store_true",
-        help="call jax.distributed.initialize() first (TPU pods, multi-host GPU)",
+        "experiment",
+        choices=list(EXPERIMENTS),
+        metavar="EXPERIMENT",
+        help="one of: " + ", ".join(EXPERIMENTS),
     )
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the experiment")
+    run.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="arguments of the experiment (each also takes --mesh and --distributed)",
+    )
 
     for name, target in _SHORTCUTS.items():
         # Every argument goes to the experiment (collected by `main`: argparse's REMAINDER
         # does not take options as a subcommand's first argument).
         sub = commands.add_parser(name, help=EXPERIMENTS[target], add_help=False)
-        sub.set_defaults(experiment=target, distributed=False)
-    commands.add_parser("experiments", help="list the experiments")
+        sub.set_defaults(experiment=target)
+    commands.add_parser("experiments", help="list the experiments", formatter_class=HelpFormatter)
+    report = commands.add_parser(
+        "report",
+        help="rebuild the README's results tables from docs/results/*.json",
+        description=textwrap.fill(
+            "Every results table in the README sits between `<!-- table:NAME VIEW -->` and "
+            "`<!-- /table -->` and is rendered from docs/results/NAME.json, a copy of the "
+            "results.json a run wrote. --add copies a finished run's results.json and plots "
+            "there first; --check changes nothing and fails if a table differs from its file."
+        ),
+        epilog=_examples(
+            "dpmix report",
+            "                           # rebuild the tables from docs/results/*.json",
+            "--add demo-image=runs/demo demo-text=runs/demo_text",
+            "--check",
+        ),
+        formatter_class=HelpFormatter,
+    )
+    report.add_argument(
+        "--add",
+        nargs="+",
+        default=[],
+        metavar="NAME=RUN_DIR",
+        help="copy RUN_DIR/results.json to docs/results/NAME.json (and its plots beside it)",
+    )
+    report.add_argument(
+        "--readme",
+        type=pathlib.Path,
+        default=pathlib.Path("README.md"),
+        metavar="PATH",
+        help="the markdown file whose tables are rebuilt",
+    )
+    report.add_argument(
+        "--results",
+        type=pathlib.Path,
+        default=pathlib.Path("docs/results"),
+        metavar="DIR",
+        help="the folder of the checked-in results files",
+    )
+    report.add_argument(
+        "--check", action="store_true", help="only compare; exit 1 if a table is out of date"
+    )
     return parser
 
 
@@ -96,25 +361,34 @@ def _demo(args: argparse.Namespace) -> int:
     from dpmix_jax.pipeline import METHODS, run_comparison
     from dpmix_jax.pipeline.common import use_compilation_cache
 
-    methods = args.methods or list(METHODS)
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        raise SystemExit(f"dpmix demo: unknown method(s) {unknown}; choose from {list(METHODS)}")
+    methods = [m for m in METHODS if m in args.methods]
     start = time.time()
+    _use_mesh(args)
+    _check_out_dir(args.out)
     use_compilation_cache(args.out / "xla_cache")
     if args.dataset == "image":
         from dpmix_jax.pipeline.image import ImagePipeline
         from dpmix_jax.pipeline.presets import digit_task, image_demo_config
 
         task = digit_task()
-        pipeline = ImagePipeline(task, image_demo_config(), args.out / "stages")
+        pipeline = ImagePipeline(
+            task,
+            dataclasses.replace(image_demo_config(), delta=args.delta),
+            args.out / "stages",
+            reproducible=args.reproducible,
+        )
         metric, higher = "test AUC", True
     else:
         from dpmix_jax.pipeline.text import TextPipeline
         from dpmix_jax.pipeline.text_presets import text_demo_config, text_task
 
         task = text_task()
-        pipeline = TextPipeline(task, text_demo_config(), args.out / "stages")
+        pipeline = TextPipeline(
+            task,
+            dataclasses.replace(text_demo_config(), delta=args.delta),
+            args.out / "stages",
+            reproducible=args.reproducible,
+        )
         metric, higher = "test perplexity", False
     results = run_comparison(
         pipeline,
@@ -134,6 +408,21 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_out_dir(out: pathlib.Path) -> None:
+    """Creates `out` if needed; a file or an unwritable folder there is a one-line error."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder; give a folder path for the outputs")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"--out {out} cannot be written ({err.strerror or err}); choose a folder you can "
+            "write to"
+        ) from err
+
+
 def _initialize_distributed() -> None:
     from dpmix_jax import parallel
 
@@ -151,28 +440,83 @@ def _initialize_distributed() -> None:
 
 
 def _run_experiment(args: argparse.Namespace) -> int:
+    global _experiment_prog
     module = f"experiments.{args.experiment}"
     if importlib.util.find_spec(module) is None:
         raise SystemExit(
             f"dpmix run: {module} is not importable; run dpmix from the project checkout "
             "(the experiments/ folder) or install the project with `pip install -e .`."
         )
-    if args.distributed:
-        _initialize_distributed()
     sys.argv = [module, *args.args]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    shortcut = args.command in _SHORTCUTS
+    _experiment_prog = f"dpmix {args.command}" if shortcut else f"dpmix run {args.experiment}"
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    finally:
+        _experiment_prog = None
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from dpmix_jax.pipeline import report
+
+    for item in args.add:
+        name, sep, run_dir = item.partition("=")
+        if not sep or not name or not run_dir:
+            raise SystemExit(f"dpmix report: --add takes NAME=RUN_DIR, got {item!r}")
+        copied = report.add_results(name, pathlib.Path(run_dir), args.results)
+        print(f"copied {', '.join(str(p) for p in copied)}")
+    if args.check:
+        stale = report.check_markdown(args.readme, args.results)
+        for line in stale:
+            print(line, file=sys.stderr)
+        return 1 if stale else 0
+    updated = report.update_markdown(args.readme, args.results)
+    print(f"rebuilt {len(updated)} table(s) in {args.readme}: {', '.join(updated) or 'none'}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command line `argv` (default: `sys.argv[1:]`); returns the exit status.
+
+    Bad input (a `ValueError` from the library, a file that cannot be read or written) ends
+    with one line `dpmix: error: ...` on stderr and exit status 2, without a traceback; set
+    the environment variable DPMIX_DEBUG=1 to see the traceback instead.
+    """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in _SHORTCUTS:
         args.args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return _command(args)
+    except (ValueError, OSError) as err:
+        if os.environ.get(DEBUG_ENV, "0") != "0":
+            raise
+        print(f"{parser.prog}: error: {_one_line(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        from dpmix_jax import parallel
+
+        parallel.set_active_mesh(None)  # the mesh belongs to this command only
+
+
+def _one_line(err: Exception) -> str:
+    if isinstance(err, OSError) and err.filename is not None:
+        text = f"{err.strerror or err}: {err.filename}; check the path and its permissions"
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.command == "demo":
+        if args.out is None:
+            args.out = pathlib.Path("runs/demo" if args.dataset == "image" else "runs/demo_text")
         return _demo(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "experiments":
         width = max(map(len, EXPERIMENTS))
         for name, text in EXPERIMENTS.items():
@@ -182,4 +526,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the imported module, so that experiments see the program name it sets.
+    from dpmix_jax.cli import main as _main
+
+    sys.exit(_main())

@@ -14,11 +14,21 @@ sampler with the same seed (so all hosts agree on the global index batch), keeps
 (`process_rows`), reads those examples, and `shard_batch` assembles the global array with
 `jax.make_array_from_process_local_data`.
 
+The mesh of a run is set once (`set_active_mesh`, done by `dpmix demo`, `dpmix run` and every
+experiment from `--mesh data=D,model=M`); a `Trainer` built without an explicit mesh uses it.
+
 API:
     MeshConfig(*, data=-1, model=1, fsdp_min_size=2**18, distributed=False,
                coordinator_address=None, num_processes=None, process_id=None)
+    parse_mesh(text) -> MeshConfig             "data=8", "data=4,model=2"
     initialize(config)                         jax.distributed.initialize() when configured
     make_mesh(config, devices=None) -> Mesh     axes ("data", "model")
+    set_active_mesh(mesh, fsdp_min_size) / active_mesh() -> (Mesh | None, fsdp_min_size)
+    is_main_process() -> bool                  process 0 (the one that writes shared outputs)
+    on_main_process(write)                     write() on process 0 only; every process waits
+    broadcast_from_main(value) -> value        process 0's numpy value on every process
+    agree(flag) -> bool                        process 0's answer (e.g. "is it stored?") on all
+    agree_int(value) -> int                    process 0's integer (e.g. a secret seed) on all
     tree_sharding(tree, mesh, *, min_size) -> pytree of NamedSharding (FSDP rule, by shape)
     shard_tree(tree, mesh, *, min_size)         device_put with `tree_sharding`
     batch_sharding(mesh) -> NamedSharding       leading axis over "data"
@@ -33,6 +43,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 PyTree = Any
@@ -70,9 +81,29 @@ class MeshConfig:
             raise ValueError(f"fsdp_min_size must be an integer >= 1, got {self.fsdp_min_size!r}.")
 
 
+def parse_mesh(text: str) -> MeshConfig:
+    """The `MeshConfig` of a `--mesh` value such as "data=8" or "data=4,model=2"."""
+    sizes = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        if not sep or name not in (DATA_AXIS, MODEL_AXIS) or name in sizes:
+            raise ValueError(
+                f"--mesh {text!r}: give data=D and/or model=M once each, e.g. data=4,model=2."
+            )
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            message = f"--mesh {text!r}: {name} must be an integer, got {value!r}."
+            raise ValueError(message) from None
+    return MeshConfig(**sizes)
+
+
 def initialize(config: MeshConfig) -> None:
-    """Starts the multi-host runtime when `config.distributed` (call before any other JAX use)."""
-    if config.distributed:
+    """Starts the multi-host runtime when `config.distributed` (call before any other JAX use).
+
+    A second call in the same process does nothing.
+    """
+    if config.distributed and not jax.distributed.is_initialized():
         jax.distributed.initialize(
             coordinator_address=config.coordinator_address,
             num_processes=config.num_processes,
@@ -97,6 +128,66 @@ def make_mesh(config: MeshConfig, devices: list[Any] | None = None) -> Mesh:
     )
 
 
+_ACTIVE: dict[str, Any] = {"mesh": None, "fsdp_min_size": MeshConfig().fsdp_min_size}
+
+
+def set_active_mesh(mesh: Mesh | None, fsdp_min_size: int = MeshConfig().fsdp_min_size) -> None:
+    """Makes `mesh` the run's mesh: `Trainer`s built without a mesh argument use it."""
+    _ACTIVE.update(mesh=mesh, fsdp_min_size=fsdp_min_size)
+
+
+def active_mesh() -> tuple[Mesh | None, int]:
+    """The run's mesh (None: none set) and its FSDP size threshold."""
+    return _ACTIVE["mesh"], _ACTIVE["fsdp_min_size"]
+
+
+def is_main_process() -> bool:
+    """Whether this is process 0, the one that writes outputs shared by all processes."""
+    return jax.process_index() == 0
+
+
+def on_main_process(write: Any) -> None:
+    """Calls `write()` on process 0 only, then waits until every process gets here.
+
+    Every process must call it at the same point of the program (a collective barrier), so that
+    no process reads a shared file before process 0 has written it.
+    """
+    if jax.process_count() == 1:
+        write()
+        return
+    if is_main_process():
+        write()
+    multihost_utils.sync_global_devices("dpmix_jax.parallel.on_main_process")
+
+
+def broadcast_from_main(value: np.ndarray) -> np.ndarray:
+    """Process 0's `value` on every process (the others' values are ignored); a collective."""
+    if jax.process_count() == 1:
+        return np.asarray(value)
+    return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(value)))
+
+
+def agree(flag: bool) -> bool:
+    """Process 0's `flag` on every process: one decision (compute or read a stored stage) for
+    all, even when a file appears between the processes' checks. A collective."""
+    return bool(broadcast_from_main(np.asarray(bool(flag))))
+
+
+def agree_int(value: int) -> int:
+    """Process 0's non-negative integer (any size, e.g. a 128-bit secret seed) on every process.
+
+    A collective. Privacy: a secret stays inside the run's processes.
+    """
+    words = []
+    while True:
+        words.append(value % 2**32)
+        value //= 2**32
+        if not value:
+            break
+    shared = broadcast_from_main(np.asarray(words + [0] * (8 - len(words)), np.uint32))
+    return sum(int(w) << (32 * i) for i, w in enumerate(shared))
+
+
 def _leaf_spec(shape: tuple[int, ...], model_size: int, min_size: int) -> PartitionSpec:
     if model_size == 1 or int(np.prod(shape, dtype=np.int64)) < min_size:
         return PartitionSpec()
@@ -117,9 +208,23 @@ def tree_sharding(tree: PyTree, mesh: Mesh, *, min_size: int = 2**18) -> PyTree:
     )
 
 
+def _place(x: Any, sharding: NamedSharding) -> jax.Array:
+    if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _place(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_tree(tree: PyTree, mesh: Mesh, *, min_size: int = 2**18) -> PyTree:
-    """Places `tree` on `mesh` with `tree_sharding` (single host: from host or device arrays)."""
-    return jax.device_put(tree, tree_sharding(tree, mesh, min_size=min_size))
+    """Places `tree` on `mesh` with `tree_sharding`.
+
+    Leaves are host values or arrays of this process (every process holds the same values) or
+    global arrays already on the mesh (resharded).
+    """
+    return jax.tree.map(_place, tree, tree_sharding(tree, mesh, min_size=min_size))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

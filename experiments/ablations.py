@@ -5,14 +5,15 @@ See `experiments/configs/ablations.py` for the command and the paper's numbers.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
 
 import numpy as np
 
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser
 from dpmix_jax.pipeline import ImagePipeline, presets
+from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.ablations import AblationConfig, get_config
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.cxr import real_tasks
@@ -32,14 +33,20 @@ def _utilities(pipeline: ImagePipeline, method: str, config: AblationConfig) -> 
     return [pipeline.run(method, config.epsilon, seed).utility for seed in config.seeds]
 
 
-def main(config: AblationConfig, out_dir: pathlib.Path, **roots: pathlib.Path) -> dict:
+def main(
+    config: AblationConfig,
+    out_dir: pathlib.Path,
+    *,
+    reproducible: bool = False,
+    **roots: pathlib.Path,
+) -> dict:
     """Runs the three studies; writes `ablations.json` and `ablations.md` to `out_dir`."""
     task = _task(config, roots)
     rows: list[tuple[str, str, list[float]]] = []
 
     def study(name: str, setting: str, pipeline_config, method: str = "dp_mixmin") -> None:
         root = out_dir / name / setting.replace(" ", "_").replace("=", "")
-        pipeline = ImagePipeline(task, pipeline_config, root)
+        pipeline = ImagePipeline(task, pipeline_config, root, reproducible=reproducible)
         rows.append((name, setting, _utilities(pipeline, method, config)))
         mean = np.mean(rows[-1][2])
         print(f"{name:>12} {setting:<24} {mean:.4f}", flush=True)
@@ -77,16 +84,47 @@ def main(config: AblationConfig, out_dir: pathlib.Path, **roots: pathlib.Path) -
     lines += [
         f"| {r['study']} | {r['setting']} | {r['mean']:.4f} ± {r['std']:.4f} |" for r in results
     ]
+    lines += ["", SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."]
     (out_dir / "ablations.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return {"results": results}
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/ablations"))
-    parser.add_argument("--nih-root", type=pathlib.Path, default=pathlib.Path("data/nih"))
-    parser.add_argument("--public-root", type=pathlib.Path, default=pathlib.Path("data/chexpert"))
+    parser = experiment_parser("ablations", __doc__.splitlines()[0], examples=("--preset cpu",))
+    parser.add_argument(
+        "--preset",
+        choices=("cpu", "paper"),
+        default="cpu",
+        help="cpu: the digit tasks (offline); paper: NIH with CheXpert as public data",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/ablations"),
+        metavar="DIR",
+        help="output folder: ablations.json, ablations.md, stages/",
+    )
+    parser.add_argument(
+        "--nih-root",
+        type=pathlib.Path,
+        default=pathlib.Path("data/nih"),
+        metavar="DIR",
+        help="paper preset: the NIH ChestX-ray14 folder",
+    )
+    parser.add_argument(
+        "--public-root",
+        type=pathlib.Path,
+        default=pathlib.Path("data/chexpert"),
+        metavar="DIR",
+        help="paper preset: the CheXpert folder",
+    )
+    add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args()
-    main(get_config(args.preset), args.out, nih_root=args.nih_root, public_root=args.public_root)
+    main(
+        get_config(args.preset),
+        args.out,
+        reproducible=args.reproducible,
+        nih_root=args.nih_root,
+        public_root=args.public_root,
+    )

@@ -1,4 +1,4 @@
-"""Canary audits of DP-MixMin's released λ and of DP-SGD: empirical lower bounds on ε (SPEC §6).
+"""Canary audits of every release and a white-box tightness check: empirical lower bounds on ε.
 
 For each configuration, many independent runs of the mechanism with and without one canary
 (`trials` per world) are scored, and `privacy.audit.epsilon_lower_bound` turns the two score samples
@@ -21,6 +21,10 @@ no-noise control (σ = 0) must show leakage far above it, which proves that the 
   input-space outlier with a flipped label (score: the model's logit for the flipped label at
   the outlier minus its logit at 0).
 
+The other releases (one-run DP-SGD audits at example and user level, a canary user, the
+end-to-end pipeline, the Hot PATE aggregators) and the white-box tightness check are in
+`experiments/audit_releases.py`; `main` runs everything and writes one summary table.
+
 Run `python -m experiments.audit --preset cpu --out DIR` (see `experiments/configs/audit.py`).
 """
 
@@ -41,6 +45,7 @@ import optax
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
+from dpmix_jax.cli import experiment_parser
 from dpmix_jax.mixing import dp_mixmin, mixmin, per_example_grads, prepare_examples
 from dpmix_jax.mixing.solvers import run_mirror_descent
 from dpmix_jax.privacy import audit, clipping, noise, plan, sampling
@@ -339,16 +344,26 @@ def digits_task() -> tuple[np.ndarray, np.ndarray]:
 
 
 def make_dpsgd_trials(
-    loss: Callable, settings: DpSgdAuditConfig, *, noise_multiplier: float, expected_batch_size
+    loss: Callable,
+    settings: DpSgdAuditConfig,
+    *,
+    noise_multiplier: float,
+    expected_batch_size,
+    user_level: bool = False,
+    params_per_trial: bool = False,
 ) -> Callable:
-    """A jitted `(data, params0, batches, masks, seeds) -> final params` over vmapped trials.
+    """A jitted `(data, params0, batches, masks, seeds) -> params after each step` over trials.
 
     Each trial is DP-SGD from the privacy core: clipped gradient sum, noise N(0, σ²C²) with key
-    `jax.random.key(seed)`, division by the public b, plain SGD.
+    `jax.random.key(seed)`, division by the public b, plain SGD. Batches are `(trials, T, B)`
+    example indices, or `(trials, T, U, G)` per-user example indices with `user_level` (each
+    user's mean gradient is clipped). `params0` is shared, or one per trial (leading axis) with
+    `params_per_trial`. Returns params with leading axes `(trials, T)`.
 
     Privacy: an audit tool; each trial is one DP-SGD run on the given (audit) data.
     """
-    grad_sum = clipping.clipped_grad_sum(loss, clip_norm=settings.clip_norm)
+    make_sum = clipping.user_clipped_grad_sum if user_level else clipping.clipped_grad_sum
+    grad_sum = make_sum(loss, clip_norm=settings.clip_norm)
 
     def one(data, params, indices, mask, seed):
         optimizer = noise.private_optimizer(
@@ -364,12 +379,12 @@ def make_dpsgd_trials(
             params, state = carry
             batch = jax.tree.map(lambda x: x[jnp.maximum(xs[0], 0)], data)
             params, state, _ = step(params, state, batch, xs[1])
-            return (params, state), None
+            return (params, state), params
 
-        (params, _), _ = jax.lax.scan(body, (params, optimizer.init(params)), (indices, mask))
-        return params
+        _, history = jax.lax.scan(body, (params, optimizer.init(params)), (indices, mask))
+        return history
 
-    return jax.jit(jax.vmap(one, in_axes=(None, None, 0, 0, 0)))
+    return jax.jit(jax.vmap(one, in_axes=(None, 0 if params_per_trial else None, 0, 0, 0)))
 
 
 def audit_dpsgd(config: AuditConfig) -> list[dict]:
@@ -451,7 +466,8 @@ def audit_dpsgd(config: AuditConfig) -> list[dict]:
                             present=present,
                             known_batches_seed=_known_batches_seed(config),
                         )
-                        params = run(data, params0, batches, masks, jnp.asarray(part, jnp.uint32))
+                        history = run(data, params0, batches, masks, jnp.asarray(part, jnp.uint32))
+                        params = jax.tree.map(lambda h: h[:, -1], history)
                         parts.append(score(jax.tree.map(np.asarray, params)))
                     scores[present] = np.concatenate(parts)
                 row[f"{label}{name}"] = _bound(scores[True], scores[False], settings.delta, config)
@@ -563,45 +579,211 @@ def plot(lambda_rows, dpsgd_rows, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+SUMMARY_COLUMNS = (
+    ("release", "release", "{}"),
+    ("claimed ε", "claimed_epsilon", "{:.3f}"),
+    ("ε_LB many runs", "many_runs", "{:.3f}"),
+    ("ε_LB one run (Steinke)", "one_run_steinke", "{:.3f}"),
+    ("ε_LB one run (f-DP)", "one_run_fdp", "{:.3f}"),
+    ("no-noise ε_LB many / one run", "no_noise", "{}"),
+    ("tightness ε_LB/ε at ε = 1, 4", "tightness", "{}"),
+)
+PRIVATE_KEYS = ("many_runs", "one_run_steinke", "one_run_fdp")
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def summary_rows(lambda_rows, dpsgd_rows, releases: dict) -> list[dict]:
+    """One row per release: claimed ε, ε_LB of each audit and of its no-noise control."""
+    ratios: dict[str, list[float]] = {}
+    for row in releases["tightness"]:
+        ratios.setdefault(row["release"], []).append(row["ratio"])
+    example, user, user_many = (
+        releases["dpsgd_example"],
+        releases["dpsgd_user"],
+        releases["dpsgd_user_many"],
+    )
+    rows = [
+        {
+            "release": "DP-MixMin λ",
+            "claimed_epsilon": max(r["accounted_epsilon"] for r in lambda_rows),
+            "many_runs": max(max(r["natural"], r["max_clip"]) for r in lambda_rows),
+            "no_noise_many_runs": min(r["no_noise_max_clip"] for r in lambda_rows),
+            "tightness": ratios["DP-MixMin λ"],
+        },
+        {
+            "release": "DP-SGD example level",
+            "claimed_epsilon": max(r["accounted_epsilon"] for r in dpsgd_rows),
+            "many_runs": max(max(r["gradient"], r["input"]) for r in dpsgd_rows),
+            "no_noise_many_runs": min(r["no_noise_gradient"] for r in dpsgd_rows),
+            **{k: v for k, v in example.items() if "one_run" in k},
+            "tightness": ratios["DP-SGD"],
+        },
+        {
+            **user_many,
+            **{k: v for k, v in user.items() if "one_run" in k},
+            "claimed_epsilon": max(user["claimed_epsilon"], user_many["claimed_epsilon"]),
+        },
+        {
+            **releases["pipeline"],
+            **{k: v for k, v in releases["pipeline_one_run"].items() if "one_run" in k},
+            "claimed_epsilon": max(
+                releases["pipeline"]["claimed_epsilon"],
+                releases["pipeline_one_run"]["claimed_epsilon"],
+            ),
+        },
+        *releases["pate"],
+    ]
+    for row in rows:
+        controls = (row.get("no_noise_many_runs"), row.get("no_noise_one_run_steinke"))
+        row["no_noise"] = " / ".join(_fmt(c) for c in controls)
+        row["tightness"] = ", ".join(f"{r:.2f}" for r in row.get("tightness", [])) or "-"
+    return rows
+
+
+def summary_table(rows: list[dict]) -> str:
+    """The markdown summary table (missing entries shown as -)."""
+    lines = [
+        "| " + " | ".join(h for h, _, _ in SUMMARY_COLUMNS) + " |",
+        "|" + "---|" * len(SUMMARY_COLUMNS),
+    ]
+    for row in rows:
+        cells = [
+            "-" if row.get(key) is None else fmt.format(row[key]) for _, key, fmt in SUMMARY_COLUMNS
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary_plot(rows: list[dict], tightness_rows: list[dict], path: pathlib.Path) -> None:
+    """ε_LB against claimed ε per release and method; hollow markers: no-noise controls."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = {"many_runs": "o", "one_run_steinke": "s", "one_run_fdp": "^"}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.cm.tab10(np.linspace(0, 1, 10))
+    for color, row in zip(colors, rows, strict=False):
+        jitter = 0.06 * rows.index(row)
+        for key, marker in markers.items():
+            for prefix, face in (("", color), ("no_noise_", "none")):
+                value = row.get(prefix + key)
+                if value is not None:
+                    ax.scatter(
+                        row["claimed_epsilon"] + jitter,
+                        value,
+                        marker=marker,
+                        s=40,
+                        facecolors=face,
+                        edgecolors=color,
+                        label=row["release"] if (key, prefix) == ("many_runs", "") else None,
+                    )
+    for row in tightness_rows:
+        ax.scatter(row["claimed_epsilon"], row["epsilon_lb"], marker="*", s=90, c="k")
+    top = max(4.5, max(r["claimed_epsilon"] for r in tightness_rows) + 0.5)
+    ax.plot([0, top], [0, top], "k--", lw=1)
+    ax.set_xlabel("claimed ε (accountant)")
+    ax.set_ylabel("ε lower bound")
+    ax.set_title(
+        "o many runs, □ one run (Steinke), △ one run (f-DP), ★ white-box tightness; "
+        "hollow: no-noise control",
+        fontsize=8,
+    )
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
-    """Runs both audits, writes `audit.md`, `audit.json` and `audit.png` to `out_dir`.
+    """Runs every audit; writes `results.md`, `results.json` and `results.png` to `out_dir`.
 
     Returns:
-        `{"mixmin": [rows], "dpsgd": [rows], "seconds": float, "violations": int}`, where a
-        violation is a noisy ε_LB above the claimed ε.
+        `{"mixmin", "dpsgd", "releases", "summary", "seconds", "violations"}`, where a
+        violation is a private ε_LB (any method, tightness included) above the claimed ε.
     """
+    from experiments import audit_releases
+
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     lambda_rows, dpsgd_rows = audit_lambda(config), audit_dpsgd(config)
+    releases = {
+        "dpsgd_example": audit_releases.dpsgd_one_run(config, user_level=False),
+        "dpsgd_user": audit_releases.dpsgd_one_run(config, user_level=True),
+        "dpsgd_user_many": audit_releases.dpsgd_user_level(config),
+        "pipeline": audit_releases.pipeline(config),
+        "pipeline_one_run": audit_releases.pipeline_one_run(config),
+        "pate": audit_releases.pate(config),
+        "tightness": audit_releases.tightness(config),
+    }
     seconds = time.perf_counter() - start
+    summary = summary_rows(lambda_rows, dpsgd_rows, releases)
     violations = sum(
-        row[key] > row["accounted_epsilon"]
-        for rows, keys in (
-            (lambda_rows, ("natural", "max_clip")),
-            (dpsgd_rows, ("gradient", "input")),
-        )
-        for row in rows
-        for key in keys
-    )
+        (row.get(key) or 0.0) > row["claimed_epsilon"] for row in summary for key in PRIVATE_KEYS
+    ) + sum(row["epsilon_lb"] > row["claimed_epsilon"] for row in releases["tightness"])
     result = {
         "mixmin": lambda_rows,
         "dpsgd": dpsgd_rows,
+        "releases": releases,
+        "summary": summary,
         "seconds": seconds,
         "violations": int(violations),
     }
-    (out / "audit.md").write_text(report(config, lambda_rows, dpsgd_rows, seconds))
-    (out / "audit.json").write_text(
+    text = "\n".join(
+        [
+            "# Canary audits of every release",
+            "",
+            f"95% lower bounds on ε; claimed ε is the accountant's ε for what ran (δ = "
+            f"{config.releases.delta}). Tightness: white-box audit of the full transcript "
+            f"(worst-case dirac canary), ε_LB / claimed ε. f-DP one-run bounds are ε at δ of "
+            f"the largest rejected μ-GDP (Gaussian mechanisms only). {seconds:.0f} s.",
+            "",
+            summary_table(summary),
+            "",
+            markdown_table(
+                releases["tightness"],
+                (
+                    ("mechanism", "release", "{}"),
+                    ("claimed ε", "claimed_epsilon", "{:.3f}"),
+                    ("σ", "sigma", "{:.3f}"),
+                    ("ε_LB", "epsilon_lb", "{:.3f}"),
+                    ("ε_LB / ε", "ratio", "{:.2f}"),
+                    ("no-noise ε_LB", "no_noise_epsilon_lb", "{:.2f}"),
+                ),
+            ),
+            "",
+            report(config, lambda_rows, dpsgd_rows, seconds),
+        ]
+    )
+    (out / "results.md").write_text(text)
+    (out / "results.json").write_text(
         json.dumps({"config": dataclasses.asdict(config), **result}, indent=2, default=float)
     )
-    plot(lambda_rows, dpsgd_rows, out / "audit.png")
+    summary_plot(summary, releases["tightness"], out / "results.png")
     return result
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=("cpu", "paper"))
-    parser.add_argument("--out", required=True, help="output directory")
+    parser = experiment_parser(
+        "audit", __doc__.splitlines()[0], examples=("--preset cpu", "--preset cpu --out DIR")
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=("cpu", "paper"),
+        help="cpu: a CPU-sized audit (experiments/configs/audit.py); paper: the paper's settings",
+    )
+    parser.add_argument(
+        "--out",
+        default="runs/audit",
+        metavar="DIR",
+        help="output folder: results.md, results.json, results.png",
+    )
     parser.add_argument(
         "--known-batches",
         action=argparse.BooleanOptionalAction,
@@ -613,5 +795,5 @@ if __name__ == "__main__":
     if args.known_batches is not None:
         chosen = dataclasses.replace(chosen, known_batches=args.known_batches)
     outcome = main(chosen, args.out)
-    print((pathlib.Path(args.out) / "audit.md").read_text())
+    print((pathlib.Path(args.out) / "results.md").read_text())
     print(f"violations: {outcome['violations']}")

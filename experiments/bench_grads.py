@@ -8,6 +8,8 @@ the median over all steps and the min-max of the per-round medians are reported)
 - nonprivate: `jax.value_and_grad` of the mean loss + optax SGD;
 - dp_vmap / dp_microbatch / dp_ghost: `privacy.make_dp_sgd_step` (clipped sum, Gaussian noise,
   division by the batch size, SGD) with the clipped sum from `train.ghost_models`;
+- trainer_dp: the `train.Trainer`'s private step as the pipelines run it (its default clipping,
+  host-side gather of the index batch, clipped sum, noise, SGD), on the same model and batch;
 - opacus_nonprivate / opacus_dp: the same architecture in PyTorch, plain and through Opacus
   (`grad_sample_mode="hooks"`), with `torch.set_num_threads` = the CPU thread count JAX uses.
 
@@ -26,7 +28,6 @@ Usage: `python -m experiments.bench_grads --preset cpu --json bench.json`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -43,10 +44,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dpmix_jax.cli import experiment_parser
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
 from dpmix_jax.pate import samplers
 from dpmix_jax.privacy import noise
+from dpmix_jax.train import engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
 from experiments.configs.bench_grads import PRESETS, BenchConfig, ModelBench, get_config
 
@@ -115,7 +118,36 @@ def _memory(jitted, *args) -> int | None:
     return int(total - m.alias_size_in_bytes)
 
 
+def _trainer_runner(spec: ModelBench, data: dict) -> Runner:
+    """The Trainer's private step on the whole fixed batch (no padding, one jitted chunk)."""
+    model, batch_loss = _jax_model(spec)
+    batch_size = next(iter(data.values())).shape[0]
+    config = engine.TrainConfig(
+        steps=1000, batch_size=batch_size, learning_rate=LEARNING_RATE, optimizer="sgd",
+        private=True, clip_norm=CLIP_NORM, delta=1e-5, noise_multiplier=NOISE_MULTIPLIER,
+        pad_multiple=batch_size, progress=False,
+    )  # fmt: skip
+    trainer = engine.Trainer(
+        config, model, batch_loss, num_units=10 * batch_size, noise_key=jax.random.key(1)
+    )
+    state = {"state": trainer.init_state()}
+    indices, mask = np.arange(batch_size), np.ones(batch_size, bool)
+
+    def gather(idx):
+        return {k: v[idx] for k, v in data.items()}
+
+    def run():
+        new = trainer.noisy_step(state["state"], gather, indices, mask)
+        jax.block_until_ready(new.params)
+        state["state"] = new
+
+    # Compiled programs of the jitted clipped sum (the ghost path traces the loss twice each).
+    return Runner("trainer_dp", run, None, lambda: trainer._chunk_fn._cache_size())
+
+
 def _jax_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool) -> Runner:
+    if method == "trainer_dp":
+        return _trainer_runner(spec, data)
     model, batch_loss = _jax_model(spec)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = jax.tree.map(jnp.asarray, data)
@@ -386,8 +418,15 @@ def _pate_logits(config: BenchConfig, regime: str) -> jax.Array:
     return shared + 0.7 * jax.random.normal(jax.random.fold_in(key, 1), (n, vocab))
 
 
+_read_logits = jax.jit(jnp.max)  # one pass over the (n, V) logits: the floor of a step
+
+
 def bench_pate(config: BenchConfig) -> list[dict]:
-    """Histograms per second of the Hot PATE samplers, for random and peaked logits."""
+    """Histograms per second of the Hot PATE samplers, for random and peaked logits.
+
+    Also one generation step's cost: a single histogram (r = 1, set-up included) of each
+    sampler, next to one read of the logits (`jnp.max` over them), the floor of any sampler.
+    """
     r = config.pate_histograms
     rows = []
     for regime in ("random", "peaked_diverse", "lm_like"):
@@ -402,8 +441,17 @@ def bench_pate(config: BenchConfig) -> list[dict]:
         }
         if config.pate_top_k is not None:
             methods["coordinated_top_k"] = functools.partial(sample, r, top_k=config.pate_top_k)
+        methods["read_logits"] = functools.partial(_read_logits, logits)
+        methods["independent_step"] = functools.partial(
+            samplers.independent_histograms, jax.random.key(1), logits, 1
+        )
+        if config.pate_top_k is not None:
+            methods["coordinated_top_k_step"] = functools.partial(
+                sample, 1, top_k=config.pate_top_k
+            )
         for method, fn in methods.items():
-            count = full if method == "coordinated_full" else r
+            count = {"coordinated_full": full, "read_logits": 1}.get(method, r)
+            count = 1 if method.endswith("_step") else count
             seconds = _median_seconds(fn, 1, 1 if method == "coordinated_full" else config.rounds)
             rows.append({"logits": regime, "method": method, "teachers": logits.shape[0],
                          "vocab": logits.shape[1], "histograms": count,
@@ -424,7 +472,8 @@ def _table(rows: list[dict]) -> str:
     ]
     for r in rows:
         np_row = by_key.get((r["model"], r["batch_size"], "nonprivate"))
-        op_key = "opacus_dp" if r["method"].startswith("dp") else "opacus_nonprivate"
+        private = r["method"].startswith("dp") or r["method"] == "trainer_dp"
+        op_key = "opacus_dp" if private else "opacus_nonprivate"
         op_row = by_key.get((r["model"], r["batch_size"], op_key))
         eps = r["examples_per_second"]
         vs_np = np_row["examples_per_second"] / eps if np_row else float("nan")
@@ -442,7 +491,8 @@ def _table(rows: list[dict]) -> str:
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per (model, batch size): our fastest DP method, its step time over the non-private
-    step's, and its throughput over Opacus' DP throughput (the issue's two target ratios)."""
+    step's, its throughput over Opacus' DP throughput, and the Trainer's step time over the
+    fastest DP method's and over the non-private step's."""
     by_key = {(r["model"], r["batch_size"], r["method"]): r for r in rows}
     out = []
     for model, batch_size in dict.fromkeys((r["model"], r["batch_size"]) for r in rows):
@@ -453,6 +503,7 @@ def summary(rows: list[dict]) -> list[dict]:
         fastest = max(dp, key=lambda r: r["examples_per_second"])
         nonprivate = by_key.get((model, batch_size, "nonprivate"))
         opacus = by_key.get((model, batch_size, "opacus_dp"))
+        trainer = by_key.get((model, batch_size, "trainer_dp"))
         out.append({
             "model": model,
             "batch_size": batch_size,
@@ -461,6 +512,10 @@ def summary(rows: list[dict]) -> list[dict]:
             / fastest["examples_per_second"] if nonprivate else None,
             "ours_over_opacus_throughput": fastest["examples_per_second"]
             / opacus["examples_per_second"] if opacus else None,
+            "trainer_over_fastest_dp_time": fastest["examples_per_second"]
+            / trainer["examples_per_second"] if trainer else None,
+            "trainer_over_nonprivate_time": nonprivate["examples_per_second"]
+            / trainer["examples_per_second"] if trainer and nonprivate else None,
         })  # fmt: skip
     return out
 
@@ -492,30 +547,52 @@ def run(config: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=PRESETS)
-    parser.add_argument("--json", default=None, help="write the results to this path")
+    parser = experiment_parser(
+        "bench_grads",
+        __doc__.splitlines()[0],
+        examples=("--preset cpu --json bench.json", "--preset cpu_small", "--preset gpu"),
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=PRESETS,
+        help="micro: seconds, for tests; cpu: tiny ResNet and GPT-2; cpu_small: ResNet-18 and "
+        "GPT-2 small on CPU; gpu: ResNet-18 and GPT-2 small on an accelerator",
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH",
+        help="also write the results as JSON to PATH (default: no file)",
+    )
     args = parser.parse_args(argv)
     report = run(get_config(args.preset))
     print(_table(report["results"]))
-    print("\nFastest DP path: step time / non-private, throughput / Opacus DP")
+    print(
+        "\nFastest DP path: step time / non-private, throughput / Opacus DP; Trainer step time "
+        "/ fastest DP, / non-private"
+    )
     for row in report["summary"]:
         ratios = [
             "-" if row[name] is None else f"{row[name]:.2f}"
-            for name in ("dp_over_nonprivate_time", "ours_over_opacus_throughput")
-        ]
+            for name in ("dp_over_nonprivate_time", "ours_over_opacus_throughput",
+                         "trainer_over_fastest_dp_time", "trainer_over_nonprivate_time")
+        ]  # fmt: skip
         print(f"  {row['model']:<12} B={row['batch_size']:<5} {row['fastest_dp']:<14} "
-              f"{ratios[0]:>6} {ratios[1]:>6}")  # fmt: skip
+              + " ".join(f"{r:>6}" for r in ratios))  # fmt: skip
     if report["mixmin"]:
         print("\nDP-MixMin (nll): seconds per step")
     for row in report["mixmin"]:
         print(f"  k={row['sources']:<5} B={row['batch_size']} {row['method']:<11} "
               f"{1e3 * row['step_seconds']:.3f} ms")  # fmt: skip
     if report["pate"]:
-        print("\nHot PATE: histograms per second (cost relative to independent)")
+        print("\nHot PATE: histograms per second (cost relative to independent; for the r = 1")
+        print("generation steps, cost relative to one read of the logits)")
     independent = {r["logits"]: r for r in report["pate"] if r["method"] == "independent"}
+    read = {r["logits"]: r for r in report["pate"] if r["method"] == "read_logits"}
     for row in report["pate"]:
-        cost = independent[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]
+        base = read if row["method"].endswith("_step") else independent
+        cost = base[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]
         print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:9.1f} "
               f"{cost:6.2f}x")  # fmt: skip
     if args.json:

@@ -12,7 +12,6 @@ examples clipped at the non-private optimum. Writes `clip_study.md` and `clip_st
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 
@@ -24,8 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser  # noqa: E402
 from dpmix_jax.mixing import objectives, solvers  # noqa: E402
-from dpmix_jax.privacy import accounting  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from experiments.k_scaling import mixture_problem  # noqa: E402
 
 
@@ -63,8 +63,14 @@ def clipped_fraction(preds: np.ndarray, weights: np.ndarray, shift: str, clip_no
     return float(np.mean(norms > clip_norm))
 
 
-def main(config: ClipStudyConfig, out: pathlib.Path | None = None) -> dict:
-    """Runs the study; returns the mean excess per (noise, shift, C) and writes the table/plot."""
+def main(
+    config: ClipStudyConfig, out: pathlib.Path | None = None, *, reproducible: bool = False
+) -> dict:
+    """Runs the study; returns the mean excess per (noise, shift, C) and writes the table/plot.
+
+    The seeds make the data; the DP runs' noise and sampling are secret unless `reproducible`
+    (one stream per data seed, shared by every setting so that they are compared paired).
+    """
     q = config.batch_size / config.num_examples
     sigma = accounting.calibrate_noise_multiplier(
         target_epsilon=config.epsilon, delta=config.delta, sampling_rate=q, steps=config.steps
@@ -78,6 +84,7 @@ def main(config: ClipStudyConfig, out: pathlib.Path | None = None) -> dict:
             num_examples=config.num_examples, num_sources=config.num_sources, seed=seed
         )
         reference = np.asarray(mixing.mixmin(preds, steps=2000, learning_rate=2.0))
+        noise_seed = seed if reproducible else randomness.secret_seed()
         uniform.append(
             mixing.excess_loss(
                 np.full(config.num_sources, 1 / config.num_sources), reference, preds
@@ -98,7 +105,7 @@ def main(config: ClipStudyConfig, out: pathlib.Path | None = None) -> dict:
                         batch_size=config.batch_size,
                         clip_norm=c,
                         learning_rate=config.step_scale / c,
-                        seed=seed,
+                        seed=noise_seed,
                         shift=shift,
                     )
                     row.append(mixing.excess_loss(result.weights, reference, preds))
@@ -110,6 +117,7 @@ def main(config: ClipStudyConfig, out: pathlib.Path | None = None) -> dict:
     means = {key: np.mean(v, axis=0) for key, v in excess.items()}
     clipped_means = {s: np.mean(v, axis=0) for s, v in clipped.items()}
     table = markdown(config, means, clipped_means, float(np.mean(uniform)), sigma)
+    table += "\n" + (SEEDED_NOTE if reproducible else "DP noise and sampling secret.")
     print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +127,7 @@ def main(config: ClipStudyConfig, out: pathlib.Path | None = None) -> dict:
         "excess": {f"{n}/{s}": m.tolist() for (n, s), m in means.items()},
         "uniform_excess": float(np.mean(uniform)),
         "noise_multiplier": sigma,
+        "noise_seeded": reproducible,
     }
 
 
@@ -159,9 +168,17 @@ def plot(path: pathlib.Path, config, means, uniform: float) -> None:
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=pathlib.Path, default=None)
-    main(ClipStudyConfig(), parser.parse_args().out)
+    parser = experiment_parser("clip_study", __doc__.splitlines()[0], examples=("",))
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/clip_study"),
+        metavar="DIR",
+        help="output folder: clip_study.md, clip_study.png",
+    )
+    add_reproducible_flag(parser, seeds="the config's seeds")
+    args = parser.parse_args()
+    main(ClipStudyConfig(), args.out, reproducible=args.reproducible)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,17 @@ comparison per finding, then macro AUC over the findings. See `experiments/confi
 
 from __future__ import annotations
 
-import argparse
 import json
 import pathlib
 
 import numpy as np
 
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser
 from dpmix_jax.data import cxr
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import summarize
+from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.nih import CxrExperimentConfig, get_config
 
 
@@ -63,7 +64,13 @@ def macro_table(per_task: dict[str, dict]) -> dict[str, dict[str, float]]:
     }
 
 
-def main(config: CxrExperimentConfig, out_dir: pathlib.Path, **roots: pathlib.Path) -> dict:
+def main(
+    config: CxrExperimentConfig,
+    out_dir: pathlib.Path,
+    *,
+    reproducible: bool = False,
+    **roots: pathlib.Path,
+) -> dict:
     """Runs every task's comparison and writes `macro.json` and `macro.md` to `out_dir`."""
     if config.public == "digits":
         tasks = presets.digit_tasks(image_size=config.image_size, num_tasks=config.tasks)
@@ -74,7 +81,7 @@ def main(config: CxrExperimentConfig, out_dir: pathlib.Path, **roots: pathlib.Pa
     for index, task in enumerate(tasks):
         task_dir = out_dir / f"task{index}"
         per_task[task.name] = run_comparison(
-            ImagePipeline(task, config.pipeline, task_dir / "stages"),
+            ImagePipeline(task, config.pipeline, task_dir / "stages", reproducible=reproducible),
             dataset=task.name,
             metric="test AUC",
             higher_is_better=True,
@@ -89,21 +96,57 @@ def main(config: CxrExperimentConfig, out_dir: pathlib.Path, **roots: pathlib.Pa
     (out_dir / "macro.json").write_text(json.dumps(macro, indent=1))
     lines = ["| method, ε | macro AUC | tasks |", "|---|---|---|"]
     lines += [f"| {k} | {v['macro_auc']:.4f} | {v['tasks']} |" for k, v in macro.items()]
+    lines += ["", SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."]
     (out_dir / "macro.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return macro
 
 
 def cli(public: str, argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=f"NIH ChestX-ray14 with {public} as public data")
-    parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(f"runs/nih_{public}"))
-    parser.add_argument("--nih-root", type=pathlib.Path, default=pathlib.Path("data/nih"))
-    parser.add_argument("--public-root", type=pathlib.Path, default=pathlib.Path(f"data/{public}"))
+    parser = experiment_parser(
+        f"nih_{public}",
+        f"NIH ChestX-ray14 with {public} as public data: DP-MixMin against its baselines per "
+        "finding, macro AUC over the findings.",
+        examples=(
+            "--preset cpu",
+            f"--preset paper --nih-root data/nih --public-root data/{public}",
+        ),
+    )
+    parser.add_argument(
+        "--preset",
+        choices=("cpu", "paper"),
+        default="cpu",
+        help="cpu: digit tasks standing in for the X-ray findings (offline); paper: the real "
+        "data under --nih-root and --public-root",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path(f"runs/nih_{public}"),
+        metavar="DIR",
+        help="output folder: task<i>/ (one comparison per finding), macro.json, macro.md",
+    )
+    parser.add_argument(
+        "--nih-root",
+        type=pathlib.Path,
+        default=pathlib.Path("data/nih"),
+        metavar="DIR",
+        help="paper preset: the NIH ChestX-ray14 folder (Data_Entry_2017.csv, the official "
+        "split lists, images/)",
+    )
+    parser.add_argument(
+        "--public-root",
+        type=pathlib.Path,
+        default=pathlib.Path(f"data/{public}"),
+        metavar="DIR",
+        help=f"paper preset: the {public} folder in its published layout",
+    )
+    add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args(argv)
     return main(
         get_config(public, args.preset),
         args.out,
         nih_root=args.nih_root,
         public_root=args.public_root,
+        reproducible=args.reproducible,
     )

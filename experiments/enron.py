@@ -9,13 +9,13 @@ Writes, per ρ, `rho<ρ>/results.json`, `results.md` and plots (`pipeline.compar
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
 import time
 from types import ModuleType
 
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser
 from dpmix_jax.pipeline import run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.text import (
@@ -47,7 +47,9 @@ def build_task(config: TextExperimentConfig) -> DomainTextTask:
     )
 
 
-def main(config: TextExperimentConfig, out_dir: str | pathlib.Path) -> dict:
+def main(
+    config: TextExperimentConfig, out_dir: str | pathlib.Path, *, reproducible: bool = False
+) -> dict:
     """Runs the comparison for every ρ; returns `{ρ: results.json content}`.
 
     Every input path (data, weights) is checked first: a missing one is a ValueError naming it,
@@ -62,7 +64,7 @@ def main(config: TextExperimentConfig, out_dir: str | pathlib.Path) -> dict:
         pipeline_config = dataclasses.replace(config.pipeline, mix_fraction=rho)
         run_dir = out_dir / f"rho{rho:g}"
         results[rho] = run_comparison(
-            TextPipeline(task, pipeline_config, run_dir / "stages"),
+            TextPipeline(task, pipeline_config, run_dir / "stages", reproducible=reproducible),
             dataset=f"{task.name}, ρ = {rho:g}",
             metric="test perplexity",
             higher_is_better=False,
@@ -80,12 +82,43 @@ def main(config: TextExperimentConfig, out_dir: str | pathlib.Path) -> dict:
 
 
 def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
-    """`--preset cpu|paper --out DIR [--data-root DIR --weights-root DIR]`."""
-    parser = argparse.ArgumentParser(description=(configs_module.__doc__ or "").splitlines()[0])
-    parser.add_argument("--preset", choices=("cpu", "paper"), default="cpu")
-    parser.add_argument("--out", required=True, type=pathlib.Path)
-    parser.add_argument("--data-root", default="data", help="paper preset: the data folder")
-    parser.add_argument("--weights-root", default="weights", help="paper preset: GPT-2 weights")
+    """`--preset cpu|paper --out DIR [--data-root DIR --weights-root DIR] [--reproducible]`."""
+    name = configs_module.__name__.rsplit(".", 1)[-1]
+    parser = experiment_parser(
+        name,
+        (configs_module.__doc__ or "").splitlines()[0],
+        examples=(
+            "--preset cpu",
+            "--preset paper --data-root DATA --weights-root WEIGHTS --out runs/" + name + "_paper",
+        ),
+    )
+    parser.add_argument(
+        "--preset",
+        choices=("cpu", "paper"),
+        default="cpu",
+        help="cpu: the embedded text default (offline); paper: the paper's data and models",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs") / name,
+        metavar="DIR",
+        help="output folder: one rho<ρ>/ per ρ (results.json, results.md, plots, stages/) "
+        "and results.md with every table",
+    )
+    parser.add_argument(
+        "--data-root",
+        default="data",
+        metavar="DIR",
+        help=f"paper preset: the data folder (layout in experiments/configs/{name}.py)",
+    )
+    parser.add_argument(
+        "--weights-root",
+        default="weights",
+        metavar="DIR",
+        help="paper preset: the folder of the GPT-2 weights (transformers format)",
+    )
+    add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args(argv)
     config = configs_module.get_config(
         args.preset, data_root=args.data_root, weights_root=args.weights_root
@@ -94,7 +127,7 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
         require_paths(config.input_paths())
     except ValueError as err:
         raise SystemExit(f"error: {err} (see {configs_module.__name__})") from err
-    main(config, args.out)
+    main(config, args.out, reproducible=args.reproducible)
     print((args.out / "results.md").read_text())
 
 

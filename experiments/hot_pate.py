@@ -5,8 +5,9 @@
     own. Coverage and transferred support vs T for both samplers, for each k and n.
 (b) Natural task on the text default: a byte-level BPE and a small GPT-2 trained here on the
     public domains only (BBC topics, Python code, Python docs; public steps of the training
-    engine); the sensitive records are the sentences of the sensitive e-mail corpus, partitioned
-    data-independently and disjointly among n teachers; teacher i's prompt is its own records,
+    engine); the sensitive records are the sentences of the sensitive e-mail corpus, each given
+    to one of n teachers by a keyed hash of the record (`privacy.assign_parts`, secret key
+    unless --reproducible); teacher i's prompt is its own records,
     one per line, then a shared public instruction. At every step both samplers draw r
     histograms from the same teacher distributions; the prefix advances by sampling from the
     non-private average teacher distribution (nothing is released).
@@ -15,13 +16,15 @@
     yield and the fallback fraction. A line ends at any token holding a newline.
 
 Privacy unit of (b)/(c): one record (one sentence of one e-mail) moves one teacher's vote.
+The randomness of every part (partition key, samplers, aggregator noise) is secret, drawn from the
+operating system, unless `--reproducible` seeds it with the config's seed; the results then say
+`privacy.SEEDED_NOTE`.
 
 Command and expected results: see `experiments/configs/hot_pate.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -35,12 +38,14 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser
 from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate import generation, metrics, samplers
+from dpmix_jax.pate import diversity, generation, metrics, samplers
 from dpmix_jax.pate.accounting import PateLedger
 from dpmix_jax.pate.teachers import InContextTeachers, build_prompts, partition_records
+from dpmix_jax.privacy import SEEDED_NOTE, randomness
 from dpmix_jax.train import MetricLogger, TrainConfig, Trainer, fit, losses
 from dpmix_jax.train.pretrain import PackedMixture
 from experiments.configs.hot_pate import HotPateConfig, NaturalConfig, get_config
@@ -129,6 +134,99 @@ def run_diversity(config: HotPateConfig, key) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# (d) The diversity-preservation guarantee, measured.
+# --------------------------------------------------------------------------------------------
+
+
+def _guarantee_row(probs, tau, aggregate, key, draws, **labels) -> dict:
+    row = dict(labels, tau=float(tau))
+    for sampler in ("coordinated", "independent"):
+        est = diversity.output_distribution(
+            key, probs, sampler=sampler, aggregator=aggregate, num_draws=draws
+        )
+        got = diversity.attained(probs, est, tau)
+        row[sampler] = {
+            "beta": got.beta,
+            "beta_lower": got.beta_lower,
+            "gamma": got.gamma,
+            "gamma_lower": got.gamma_lower,
+            "gamma_upper": got.gamma_upper,
+        }
+    return row
+
+
+def run_guarantees(config: HotPateConfig, key) -> dict:
+    """Smallest β and largest γ attained by sampler + TWS_{τ/2,γ} and + DPWS on the adversarial
+    ensembles of `pate.diversity`, against the theorem (β = 0.17 for coordinated TWS).
+
+    Privacy:
+        Synthetic teachers only; nothing sensitive is read.
+    """
+    cfg = config.guarantees
+    rows = []
+    for tau in cfg.taus:
+        for gamma in cfg.gammas:
+            for ensemble in diversity.adversarial_ensembles(cfg.num_teachers, tau):
+                key, sub = jax.random.split(key)
+                rows.append(
+                    _guarantee_row(
+                        ensemble.probs,
+                        tau,
+                        diversity.tws_aggregator(tau / 2, gamma),
+                        sub,
+                        cfg.num_draws,
+                        aggregator="tws",
+                        gamma=gamma,
+                        ensemble=ensemble.name,
+                    )  # fmt: skip
+                )
+    tau = diversity.dpws_tau(cfg.dpws_epsilon, cfg.dpws_delta)
+    aggregate = diversity.dpws_aggregator(cfg.dpws_epsilon, cfg.dpws_delta, 1.0)
+    for ensemble in diversity.adversarial_ensembles(cfg.dpws_teachers, tau):
+        key, sub = jax.random.split(key)
+        rows.append(
+            _guarantee_row(
+                ensemble.probs,
+                tau,
+                aggregate,
+                sub,
+                cfg.dpws_draws,
+                aggregator="dpws",
+                gamma=1.0,
+                ensemble=ensemble.name,
+            )  # fmt: skip
+        )
+
+    def summary(aggregator, gamma, sampler):
+        picked = [r for r in rows if r["aggregator"] == aggregator and r["gamma"] == gamma]
+        worst = min(picked, key=lambda r: r[sampler]["beta"])
+        return {
+            "beta": worst[sampler]["beta"],
+            "beta_lower": worst[sampler]["beta_lower"],
+            "beta_ensemble": worst["ensemble"],
+            "beta_tau": worst["tau"],
+            "gamma": max(r[sampler]["gamma"] for r in picked),
+            "gamma_lower": max(r[sampler]["gamma_lower"] for r in picked),
+            "gamma_upper": max(r[sampler]["gamma_upper"] for r in picked),
+        }
+
+    settings = [("tws", g) for g in cfg.gammas] + [("dpws", 1.0)]
+    table = [
+        {"aggregator": a, "gamma": g, "dpws_tau": tau if a == "dpws" else None,
+         **{s: summary(a, g, s) for s in ("coordinated", "independent")}}
+        for a, g in settings
+    ]  # fmt: skip
+    for row in table:
+        hot, cold = row["coordinated"], row["independent"]
+        _log(
+            f"(d) {row['aggregator']} γ={row['gamma']:g}: min β hot {hot['beta']:.3f} "
+            f"({hot['beta_ensemble']}) cold {cold['beta']:.3f}; max γ hot {hot['gamma']:.3f} "
+            f"cold {cold['gamma']:.3f}"
+        )
+    return {"rows": rows, "table": table}
+
+
+# --------------------------------------------------------------------------------------------
 # (b) Natural task: a GPT-2 trained on the public text domains, in-context teachers.
 # --------------------------------------------------------------------------------------------
 
@@ -148,6 +246,7 @@ class NaturalTask:
         stop_tokens: ids of every token whose text holds a newline (a record ends there).
         num_records: sensitive records available to the partition.
         train_loss: (step, public training loss) pairs.
+        parts: each teacher's record positions (`partition_records`).
     """
 
     tokenizer: TextTokenizer
@@ -157,6 +256,7 @@ class NaturalTask:
     stop_tokens: tuple[int, ...]
     num_records: int
     train_loss: list[tuple[int, float]]
+    parts: list[np.ndarray]
 
 
 def sensitive_records(
@@ -217,13 +317,14 @@ def train_public_model(
     return result.model, history
 
 
-def build_natural_task(config: HotPateConfig) -> NaturalTask:
+def build_natural_task(config: HotPateConfig, *, reproducible: bool = False) -> NaturalTask:
     """Tokenizer and GPT-2 on the public domains; teachers over the sensitive e-mail sentences.
 
     Privacy:
-        The tokenizer and the model read public documents only. The records are partitioned by
-        `partition_records` (a random partition of their indices, independent of their contents),
-        so one record enters exactly one teacher's prompt; the instruction is public.
+        The tokenizer and the model read public documents only. Each record's teacher is a keyed
+        hash of the record's tokens (`partition_records`; the key is `config.seed` with
+        `reproducible`, else a secret), so one record enters exactly one teacher's prompt and
+        adding or removing a record moves no other; the instruction is public.
     """
     cfg = config.natural
     task = load_text_mixture_task(
@@ -238,7 +339,9 @@ def build_natural_task(config: HotPateConfig) -> NaturalTask:
         min_chars=cfg.min_record_chars,
         max_tokens=cfg.max_record_tokens,
     )
-    parts = partition_records(len(records), cfg.num_teachers, seed=config.seed)
+    record_ids = [np.asarray(record, np.int64).tobytes() for record in records]
+    key = config.seed if reproducible else None
+    parts = partition_records(record_ids, cfg.num_teachers, key=key)
     instruction = tokenizer.encode(cfg.instruction)
     newline = tokenizer.encode("\n")
     prompts = [
@@ -250,9 +353,11 @@ def build_natural_task(config: HotPateConfig) -> NaturalTask:
     teachers = InContextTeachers(
         model, prompts, batch_size=min(128, cfg.num_teachers), pad_id=tokenizer.eos_id
     )
+    short = sum(len(part) < cfg.records_per_teacher for part in parts)
     _log(
         f"(b) {len(records)} sensitive records, {cfg.num_teachers} teachers x "
-        f"{cfg.records_per_teacher}; longest prompt {max(map(len, prompts))} tokens"
+        f"{cfg.records_per_teacher} ({short} with fewer); longest prompt "
+        f"{max(map(len, prompts))} tokens"
     )
     return NaturalTask(
         tokenizer=tokenizer,
@@ -262,6 +367,7 @@ def build_natural_task(config: HotPateConfig) -> NaturalTask:
         stop_tokens=newline_tokens(tokenizer),
         num_records=len(records),
         train_loss=history,
+        parts=parts,
     )
 
 
@@ -370,6 +476,8 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
             threshold=cfg.gnmax_threshold * n,
             sigma1=cfg.gnmax_sigma1 * n,
             sigma2=cfg.gnmax_sigma2 * n,
+            release_order=cfg.release_order,
+            release_noise_multiplier=cfg.release_noise_multiplier,
         ),
     }
     rows = []
@@ -415,6 +523,7 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
                 row["per_sequence_epsilon"] = {
                     "data_dependent": [g.epsilon_data_dependent for g in reports],
                     "data_independent": [g.epsilon_data_independent for g in reports],
+                    "released": [r.released.epsilon for r in results],
                 }
             rows.append(row)
             _log(
@@ -540,20 +649,63 @@ def markdown(result: dict) -> str:
             lines.append(
                 f"\nconfident-GNMax ({row['sampler']}), ε per sequence: data-dependent "
                 + ", ".join(f"{e:.2f}" for e in eps["data_dependent"])
+                + " (not itself private); released privately by smooth sensitivity "
+                + ", ".join(f"{e:.2f}" for e in eps["released"])
                 + "; data-independent "
                 + ", ".join(f"{e:.2f}" for e in eps["data_independent"])
-                + " (the data-dependent value is not itself private)"
             )
+    lines += _guarantee_markdown(result["guarantees"])
     seconds = ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
+    if result["noise_seeded"]:
+        lines += ["", f"{SEEDED_NOTE} (seed {result['config']['seed']})."]
+    else:
+        lines += ["", "Private randomness secret (from the operating system)."]
     lines += ["", f"Run time: {seconds}."]
     return "\n".join(lines) + "\n"
 
 
-def run_experiments(config: HotPateConfig, task: NaturalTask | None = None) -> dict:
-    """Runs (a), (b) and (c) (building the natural task unless given) with per-part timings."""
-    key_div, key_nat, key_gen = jax.random.split(jax.random.key(config.seed), 3)
+def _guarantee_markdown(guarantees: dict) -> list[str]:
+    lines = [
+        "",
+        "## (d) Diversity preservation (τ, β, γ), measured",
+        "",
+        "Smallest β and largest γ attained over the adversarial ensembles and τ values "
+        "(`pate.diversity`), with 4-standard-error bounds; theorem: coordinated + TWS_{τ/2,γ} "
+        "is (τ, 0.17, γ), DPWS is (4ε⁻¹ln(1/δ), Θ(1), 1).",
+        "",
+        "| aggregator | γ | min β hot [lower] (ensemble, τ) | min β cold | max γ hot [upper] "
+        "| max γ cold | theorem β, γ |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in guarantees["table"]:
+        hot, cold = row["coordinated"], row["independent"]
+        theorem = "0.17, " + f"{row['gamma']:g}" if row["aggregator"] == "tws" else "Θ(1), 1"
+        name = "TWS_{τ/2,γ}" if row["aggregator"] == "tws" else f"DPWS (τ = {row['dpws_tau']:.1f})"
+        lines.append(
+            f"| {name} | {row['gamma']:g} | {hot['beta']:.3f} [{hot['beta_lower']:.3f}] "
+            f"({hot['beta_ensemble']}, {hot['beta_tau']:.0f}) | {cold['beta']:.3f} "
+            f"({cold['beta_ensemble']}) | {hot['gamma']:.3f} [{hot['gamma_upper']:.3f}] | "
+            f"{cold['gamma']:.3f} | {theorem} |"
+        )
+    return lines
+
+
+def run_experiments(
+    config: HotPateConfig, task: NaturalTask | None = None, *, reproducible: bool = False
+) -> dict:
+    """Runs (a), (b) and (c) (building the natural task unless given) with per-part timings.
+
+    Privacy: the samplers' and aggregators' keys derive from `config.seed` with `reproducible`
+    (the result then has `noise_seeded` True), else from a secret that is never stored.
+    """
+    root = config.seed if reproducible else randomness.secret_seed()
+    key_div, key_nat, key_gen = jax.random.split(randomness.prng_key(root), 3)
     seconds: dict[str, float] = {}
-    result = {"config": dataclasses.asdict(config), "seconds": seconds}
+    result = {
+        "config": dataclasses.asdict(config),
+        "noise_seeded": reproducible,
+        "seconds": seconds,
+    }
     start = time.perf_counter()
 
     def lap(name: str) -> None:
@@ -561,8 +713,10 @@ def run_experiments(config: HotPateConfig, task: NaturalTask | None = None) -> d
 
     result["diversity"] = run_diversity(config, key_div)
     lap("diversity")
+    result["guarantees"] = run_guarantees(config, jax.random.fold_in(key_div, 1))
+    lap("guarantees")
     if task is None:
-        task = build_natural_task(config)
+        task = build_natural_task(config, reproducible=reproducible)
         lap("natural_setup")
     result["natural"] = run_natural(config, task, key_nat)
     lap("natural")
@@ -583,17 +737,31 @@ def write_report(result: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
     return out
 
 
-def main(config: HotPateConfig, out_dir: str | pathlib.Path) -> dict:
+def main(config: HotPateConfig, out_dir: str | pathlib.Path, *, reproducible: bool = False) -> dict:
     """Runs (a), (b) and (c); writes JSON, markdown and plots to `out_dir`; returns the results."""
-    result = run_experiments(config)
+    result = run_experiments(config, reproducible=reproducible)
     write_report(result, out_dir)
     _log(f"done in {result['seconds']['total']:.0f} s; wrote {out_dir}")
     return result
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=("cpu", "paper", "tiny"))
-    parser.add_argument("--out", default="runs/hot_pate")
+    parser = experiment_parser(
+        "hot_pate", __doc__.splitlines()[0], examples=("--preset cpu", "--preset tiny")
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=("cpu", "paper", "tiny"),
+        help="cpu: n = 512 teachers on the embedded text (a few minutes); tiny: seconds, for "
+        "tests; paper: the paper's sizes",
+    )
+    parser.add_argument(
+        "--out",
+        default="runs/hot_pate",
+        metavar="DIR",
+        help="output folder for the tables, JSON and plots",
+    )
+    add_reproducible_flag(parser, seeds="the config's seed")
     args = parser.parse_args()
-    main(get_config(args.preset), args.out)
+    main(get_config(args.preset), args.out, reproducible=args.reproducible)

@@ -13,7 +13,6 @@ and `k_scaling.png`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import pathlib
@@ -27,7 +26,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.privacy import accounting  # noqa: E402
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from experiments.configs import k_scaling as configs  # noqa: E402
 
 
@@ -95,11 +95,14 @@ def public_clip_norm(config: configs.KScalingConfig, num_sources: int) -> float:
     return config.clip_scale * float(np.quantile(norms, config.clip_quantile))
 
 
-def main(config: configs.KScalingConfig, out: pathlib.Path | None = None) -> dict:
+def main(
+    config: configs.KScalingConfig, out: pathlib.Path | None = None, *, reproducible: bool = False
+) -> dict:
     """Runs the study; returns (and, with `out`, writes) the results.
 
     Each DP run is repeated with σ = 0 (same C, η, T, b, batches): that run's excess is the
-    optimisation + clipping bias, and the rest of the DP run's excess is the noise part.
+    optimisation + clipping bias, and the rest of the DP run's excess is the noise part. The
+    seeds make the data; the DP runs' noise and sampling are secret unless `reproducible`.
     """
     q = min(1.0, config.batch_size / config.num_examples)
     # One σ for every run: the rate, steps and target are the same for all k and seeds.
@@ -130,6 +133,8 @@ def main(config: configs.KScalingConfig, out: pathlib.Path | None = None) -> dic
                 )
             )
             uniform = np.full(k, 1.0 / k)
+            # One stream per (k, seed), shared by the σ > 0 run and its σ = 0 twin.
+            noise_seed = seed if reproducible else randomness.secret_seed()
             row = {
                 "k": k,
                 "seed": seed,
@@ -150,7 +155,7 @@ def main(config: configs.KScalingConfig, out: pathlib.Path | None = None) -> dic
                         batch_size=config.batch_size,
                         clip_norm=clip_norm,
                         learning_rate=row["learning_rate"] if solver == "mirror_descent" else None,
-                        seed=seed,
+                        seed=noise_seed,
                         solver=solver,
                     )
                     excess[part] = mixing.excess_loss(result.weights, reference, preds)
@@ -177,10 +182,11 @@ def main(config: configs.KScalingConfig, out: pathlib.Path | None = None) -> dic
     results = {
         "config": dataclasses.asdict(config),
         "noise_multiplier": sigma,
+        "noise_seeded": reproducible,
         "rows": rows,
         **summary,
     }
-    print(markdown(config, summary))
+    print(markdown(config, results))
     if out is not None:
         write(out, config, results)
     return results
@@ -253,6 +259,7 @@ def markdown(config: configs.KScalingConfig, summary: dict) -> str:
         for s in config.solvers
     )
     lines.append(f"\nlog-log slope over k >= {config.slope_min_k}: {slopes} (theory 0.5)")
+    lines.append(SEEDED_NOTE if summary.get("noise_seeded") else "DP noise and sampling secret.")
     lines.append(
         f"C_k = {config.clip_scale} × q{config.clip_quantile:g} of public gradient norms at"
         f" uniform λ, η_k = {config.step_size}/C_k, T = {config.steps}, b = {config.batch_size},"
@@ -293,11 +300,25 @@ def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> N
 
 
 def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="cpu", choices=("cpu", "paper"))
-    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser = experiment_parser(
+        "k_scaling", __doc__.splitlines()[0], examples=("--preset cpu", "--preset paper")
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=("cpu", "paper"),
+        help="cpu: k up to 256 sources, n = 20,000; paper: k up to 1000",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/k_scaling"),
+        metavar="DIR",
+        help="output folder: k_scaling.json, k_scaling.md, k_scaling.png",
+    )
+    add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args()
-    main(configs.get_config(args.preset), args.out)
+    main(configs.get_config(args.preset), args.out, reproducible=args.reproducible)
 
 
 if __name__ == "__main__":

@@ -9,21 +9,22 @@ and the printed (ε, δ) is the ledger's for the steps run (ε <= 2 at δ = 1e-5
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from sklearn.datasets import load_digits
 
+from dpmix_jax.cli import add_reproducible_flag, experiment_parser
 from dpmix_jax.privacy import (
+    SEEDED_NOTE,
     DpSgdConfig,
     PrivacyLedger,
     clipped_grad_sum,
     make_dp_sgd_step,
     plan_dp_sgd,
     private_optimizer,
+    randomness,
 )
 
 
@@ -33,11 +34,17 @@ def example_loss(params, example):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epsilon", type=float, default=2.0)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = experiment_parser(
+        "quickstart", __doc__.splitlines()[0], examples=("", "--epsilon 1 --steps 100")
+    )
+    parser.add_argument(
+        "--epsilon", type=float, default=2.0, metavar="EPS", help="target ε (δ = 1e-5)"
+    )
+    parser.add_argument("--steps", type=int, default=300, metavar="T", help="DP-SGD steps")
+    parser.add_argument("--seed", type=int, default=0, metavar="SEED", help="the train/test split")
+    add_reproducible_flag(parser, seeds="--seed")
     args = parser.parse_args(argv)
+    noise_seed = args.seed if args.reproducible else randomness.secret_seed()
 
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
@@ -55,12 +62,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         noise_multiplier=plan.noise_multiplier,
         sensitivity=grad_sum.sensitivity(),
         expected_batch_size=plan.expected_batch_size,
-        key=jax.random.key(args.seed),
+        key=randomness.prng_key(noise_seed),
     )
     step = jax.jit(make_dp_sgd_step(grad_sum, optimizer))
     params = {"w": jnp.zeros((64, 10)), "b": jnp.zeros(10)}
     opt_state = optimizer.init(params)
-    sampler, rng, ledger = plan.sampler(), np.random.default_rng(args.seed), PrivacyLedger()
+    sampler, rng, ledger = plan.sampler(), np.random.default_rng(noise_seed), PrivacyLedger()
     mean_loss = jax.jit(
         lambda p, xs, ys: jnp.mean(jax.vmap(example_loss, in_axes=(None, 0))(p, {"x": xs, "y": ys}))
     )
@@ -77,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accuracy = float(np.mean(np.argmax(x[test] @ params["w"] + params["b"], axis=1) == y[test]))
     budget = ledger.budget(config.delta)
     print(f"test accuracy {accuracy:.3f}; spent {budget} over {ledger.count} steps")
+    print(SEEDED_NOTE if args.reproducible else "noise and sampling secret (operating system)")
     return {"accuracy": accuracy, "epsilon": budget.epsilon}
 
 

@@ -65,7 +65,9 @@ def test_natural_canary_is_a_seeded_row_index():
 
 
 def test_vmapped_trials_are_dp_mixmin_runs_and_without_world_ignores_canary():
-    settings = dataclasses.replace(get_config("cpu").mixmin, steps=20, sensitive_size=600)
+    settings = dataclasses.replace(
+        get_config("cpu").mixmin, steps=20, sensitive_size=600, batch_size=30
+    )  # 61 units, q < 1
     preds = runner.synthetic_proxy_outputs(settings.mixture_size, 5, seed=0)
     canaries, _ = runner.lambda_canaries(preds, clip_norm=settings.clip_norm, seed=0)
     canary = canaries[1]

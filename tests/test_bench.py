@@ -40,7 +40,12 @@ def test_micro_preset_writes_valid_json(tmp_path):
         "independent",
         "coordinated_full",
         "coordinated_top_k",
+        "read_logits",
+        "independent_step",
+        "coordinated_top_k_step",
     }
+    steps = [r for r in report["pate"] if r["method"].endswith("_step")]
+    assert all(r["histograms"] == 1 for r in steps)
 
 
 def test_config_validation():

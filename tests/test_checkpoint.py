@@ -1,5 +1,8 @@
 """Checkpoints: a stopped and resumed private run is bit-identical to an uninterrupted one."""
 
+import dataclasses
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -106,3 +109,65 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
         checkpointer.restore(state, step=4)
     with pytest.raises(ValueError):
         Checkpointer(tmp_path / "x", max_to_keep=0)
+
+
+def _saved_checkpoint(directory):
+    trainer = new_trainer()
+    result = engine.fit(
+        trainer, DATA, rng=np.random.default_rng(7), checkpointer=Checkpointer(directory), until=2
+    )
+    return trainer, result, directory / "2"
+
+
+def test_a_damaged_array_chunk_is_refused_naming_the_checkpoint(tmp_path):
+    # Overwriting 8 bytes of an optimizer-state chunk used to resume silently with bad weights.
+    rs = np.random.default_rng(0)
+    state = {
+        "params": np.float32(rs.normal(size=(128, 64))),
+        "opt_state": {"mu": np.float32(rs.normal(size=(128, 64))), "nu": np.ones((128, 64))},
+    }
+    state = jax.tree.map(jax.numpy.asarray, state)
+    checkpointer = Checkpointer(tmp_path)
+    checkpointer.save(1, state, rng=np.random.default_rng(0))
+    folder = tmp_path / "1" / "state"
+    chunk = max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    original = chunk.read_bytes()
+    middle = len(original) // 2
+    chunk.write_bytes(original[:middle] + b"\xff" * 8 + original[middle + 8 :])
+    with pytest.raises(ValueError, match=f"{folder} do not match their checksums"):
+        Checkpointer(tmp_path).restore(state)
+    chunk.write_bytes(original)
+    restored, _, _ = Checkpointer(tmp_path).restore(state)  # intact again
+    np.testing.assert_array_equal(restored["params"], state["params"])
+
+
+def test_damaged_or_truncated_metadata_is_refused_naming_the_file(tmp_path):
+    trainer, _, folder = _saved_checkpoint(tmp_path / "ck")
+    for name in ("meta", "checksums"):
+        path = folder / name / "metadata"
+        original = path.read_text()
+        path.write_text(original[: len(original) // 2])  # truncated
+        with pytest.raises(ValueError, match=str(path)):
+            Checkpointer(tmp_path / "ck").restore(trainer.init_state())
+        path.write_text(original)
+    meta_path = folder / "meta" / "metadata"
+    meta = json.loads(meta_path.read_text())
+    meta["ledger"]["entries"][0]["count"] = 1  # valid JSON, but not what was saved
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=str(meta_path)):
+        Checkpointer(tmp_path / "ck").restore(trainer.init_state())
+
+
+def test_non_finite_parameters_stop_training_naming_the_step(tmp_path):
+    # Adam moves each weight by about the learning rate per step: float32 overflows at step 4.
+    config = dataclasses.replace(CONFIG, learning_rate=1e38, log_every=1)
+    trainer = engine.Trainer(
+        config,
+        MLP(nnx.Rngs(0)),
+        losses.softmax_cross_entropy(),
+        num_units=80,
+        noise_key=jax.random.key(42),
+    )
+    with pytest.raises(ValueError, match=r"non-finite parameters at step 4 \(finite at step 3\)"):
+        engine.fit(trainer, DATA, rng=np.random.default_rng(7), checkpointer=Checkpointer(tmp_path))
+    assert Checkpointer(tmp_path).latest_step() == 2  # the non-finite state was not saved

@@ -1,5 +1,7 @@
 """The `dpmix` command: help, argument errors, experiment dispatch."""
 
+import argparse
+import pathlib
 import subprocess
 import sys
 
@@ -33,7 +35,7 @@ def test_experiments_are_listed_and_importable(capsys):
         (["demo", "video"], "invalid choice"),
         (["demo", "--epsilons", "0"], "must be a finite number > 0"),
         (["demo", "--epsilons", "-1"], "must be a finite number > 0"),
-        (["demo", "--seeds", "one"], "invalid int value"),
+        (["demo", "--seeds", "one"], "argument --seeds"),
         (["run", "no_such_experiment"], "invalid choice"),
     ],
 )
@@ -54,9 +56,123 @@ def test_shortcuts_pass_every_argument_to_the_experiment(command, capsys):
     assert "--preset: invalid choice: 'no_such_preset'" in err
 
 
-def test_unknown_demo_method_is_rejected():
-    with pytest.raises(SystemExit, match="unknown method"):
+def test_unknown_demo_method_is_rejected(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", "--methods", "dp_mixmin", "oracle"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'oracle'" in capsys.readouterr().err
+
+
+def test_the_cli_method_names_are_the_pipeline_methods():
+    from dpmix_jax.pipeline import METHODS
+
+    assert cli.METHOD_NAMES == METHODS
+
+
+def _help(argv, monkeypatch, capsys):
+    """The help text of `dpmix ARGV --help` and the parser that printed it."""
+    printed = []
+    print_help = argparse.ArgumentParser.print_help
+
+    def record(self, file=None):
+        printed.append(self)
+        print_help(self, file)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", record)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out, printed[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "prog"),
+    [
+        ([], "dpmix"),
+        (["demo"], "dpmix demo"),
+        (["run"], "dpmix run"),
+        (["audit"], "dpmix audit"),
+        (["bench"], "dpmix bench"),
+        (["report"], "dpmix report"),
+        *[(["run", name], f"dpmix run {name}") for name in cli.EXPERIMENTS],
+    ],
+)
+def test_help_shows_every_option_with_its_default(argv, prog, monkeypatch, capsys):
+    text, parser = _help(argv, monkeypatch, capsys)
+    assert text.startswith(f"usage: {prog} ")
+    assert "SPEC" not in text and "examples:" in text
+    flat = " ".join(text.split())
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction | argparse._VersionAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            for name in action.choices:
+                assert f" {name} " in flat, name
+            continue
+        for option in action.option_strings:
+            assert option in flat, option
+        assert action.help, f"{prog}: {action.dest} has no help"
+        if action.default is None and action.option_strings:
+            assert "default" in action.help, f"{prog}: {action.dest} does not say its default"
+        elif action.default != argparse.SUPPRESS and action.option_strings:
+            assert f"(default: {action.default})" in flat, (prog, action.dest, action.default)
+
+
+def test_run_help_lists_the_experiments(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    out = capsys.readouterr().out
+    for name, text in cli.EXPERIMENTS.items():
+        assert f"{name}  " in out and text in out
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"dpmix {importlib.metadata.version('dpmix_jax')}"
+
+
+def test_demo_delta_reaches_the_pipeline_config(monkeypatch, tmp_path):
+    from dpmix_jax import pipeline
+
+    seen = {}
+
+    def fake_comparison(stages, **kwargs):
+        seen["delta"] = stages.config.delta
+        (kwargs["out_dir"] / "results.md").write_text("")
+        return {"runs": []}
+
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    assert cli.main(["demo", "--delta", "1e-6", "--out", str(tmp_path)]) == 0
+    assert seen["delta"] == 1e-6
+
+
+@pytest.mark.parametrize("value", ["0", "1", "-1e-5", "nan"])
+def test_demo_delta_must_be_a_probability(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", f"--delta={value}"])
+    assert exit_info.value.code == 2
+    assert "must be a number in (0, 1)" in capsys.readouterr().err
+
+
+def test_demo_text_writes_to_its_own_default_folder(monkeypatch, tmp_path):
+    from dpmix_jax import pipeline
+
+    outs = []
+
+    def fake_comparison(stages, **kwargs):
+        outs.append(kwargs["out_dir"])
+        (kwargs["out_dir"] / "results.md").write_text("")
+        return {"runs": []}
+
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    monkeypatch.chdir(tmp_path)
+    cli.main(["demo", "text", "--methods", "uniform"])
+    cli.main(["demo", "--methods", "uniform"])
+    assert outs == [pathlib.Path("runs/demo_text"), pathlib.Path("runs/demo")]
 
 
 def test_paper_preset_without_data_fails_naming_the_missing_folder(tmp_path):
@@ -81,3 +197,19 @@ def test_paper_preset_without_data_fails_naming_the_missing_folder(tmp_path):
     )
     assert completed.returncode != 0
     assert str(missing) in completed.stderr
+
+
+@pytest.mark.parametrize(("flags", "seeded"), [([], False), (["--reproducible"], True)])
+def test_demo_seeds_private_randomness_only_with_reproducible(flags, seeded, tmp_path, monkeypatch):
+    import dpmix_jax.pipeline
+
+    seen = []
+
+    def fake_comparison(pipeline, *, out_dir, **kwargs):
+        seen.append(pipeline.reproducible)
+        (out_dir / "results.md").write_text("table\n")
+        return {"runs": []}
+
+    monkeypatch.setattr(dpmix_jax.pipeline, "run_comparison", fake_comparison)
+    assert cli.main(["demo", "--quiet", "--out", str(tmp_path), *flags]) == 0
+    assert seen == [seeded]

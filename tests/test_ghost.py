@@ -244,3 +244,23 @@ def test_sensitivity_and_validation():
 
     with pytest.raises(ValueError, match="not covered"):
         check_ghost_support(Unsupported())
+
+
+def test_ghost_clipped_unit_never_exceeds_c():
+    # One example per batch: the clipped sum is that example's clipped gradient (float32 sums).
+    def loss_fn(params, batch, tape):
+        y = tape.linear("fc", batch["x"], batch["x"] @ params["w"], kernel="w")
+        return jnp.sum(y**2, axis=(-2, -1))
+
+    clip = 0.37
+    grad_sum = jax.jit(ghost_clipped_grad_sum(loss_fn, clip_norm=clip).function)
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for _ in range(60):
+        params = {"w": jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)}
+        batch = {"x": jnp.asarray(rng.standard_normal((1, 3, 16)), jnp.float32)}
+        total, stats = grad_sum(params, batch, np.ones(1, bool))
+        assert float(stats["grad_norm"][0]) > clip
+        norm = np.sqrt(np.sum(np.asarray(total["w"], np.float64) ** 2))
+        worst = max(worst, norm / clip)
+    assert 1.0 - 1e-5 < worst <= 1.0

@@ -13,7 +13,7 @@ from flax import nnx
 from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate.teachers import partition_records
+from dpmix_jax.privacy import SEEDED_NOTE
 from experiments import hot_pate
 from experiments.configs.hot_pate import get_config
 
@@ -26,14 +26,15 @@ def tokenizer():
     return train_bpe_tokenizer(texts, vocab_size=300)
 
 
+# Seeded (--reproducible): the statistical checks below see the same draws on every run.
 @pytest.fixture(scope="module")
 def task():
-    return hot_pate.build_natural_task(CONFIG)
+    return hot_pate.build_natural_task(CONFIG, reproducible=True)
 
 
 @pytest.fixture(scope="module")
 def result(task, tmp_path_factory):
-    result = hot_pate.run_experiments(CONFIG, task)
+    result = hot_pate.run_experiments(CONFIG, task, reproducible=True)
     out = hot_pate.write_report(result, tmp_path_factory.mktemp("hot_pate"))
     return result, out
 
@@ -82,9 +83,10 @@ def test_tokenizer_and_model_are_public_and_teachers_hold_disjoint_records(task)
     assert task.train_loss[-1][1] < task.train_loss[0][1]
     n = CONFIG.natural.num_teachers
     assert task.teachers.num_teachers == n
-    parts = partition_records(task.num_records, n, seed=CONFIG.seed)
+    parts = task.parts
+    assert len(parts) == n and sum(map(len, parts)) == task.num_records
     used = np.concatenate([p[: CONFIG.natural.records_per_teacher] for p in parts])
-    assert len(np.unique(used)) == len(used) == n * CONFIG.natural.records_per_teacher
+    assert len(np.unique(used)) == len(used)  # no record in two teachers' prompts
     # Teacher i's logits are the model's after its own records (one per line) + the instruction.
     records = hot_pate.sensitive_records(
         public.sensitive.texts,
@@ -152,5 +154,19 @@ def test_report_files(result):
     assert saved["natural"]["mean"] == result["natural"]["mean"]
     text = (out / "hot_pate.md").read_text()
     assert "## (b) Natural task" in text and "## (c) Private generation" in text
+    assert "## (d) Diversity preservation" in text
+    assert saved["noise_seeded"] is True and SEEDED_NOTE in text
     assert (out / "natural.png").stat().st_size > 0
     assert (out / "diversity_n32.png").stat().st_size > 0
+
+
+def test_guarantee_table_meets_the_theorem_for_coordinated_tws(result):
+    result, _ = result
+    table = {(row["aggregator"], row["gamma"]): row for row in result["guarantees"]["table"]}
+    tws = table[("tws", 1.0)]
+    assert tws["coordinated"]["beta"] >= 0.17
+    assert tws["coordinated"]["gamma_lower"] <= 1.0  # relevance, up to 4 standard errors
+    assert tws["independent"]["beta"] < tws["coordinated"]["beta"]
+    assert ("dpws", 1.0) in table
+    released = [r for r in result["generation"]["rows"] if r["aggregator"] == "confident_gnmax"]
+    assert all(len(r["per_sequence_epsilon"]["released"]) >= 1 for r in released)

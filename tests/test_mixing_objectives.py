@@ -80,7 +80,11 @@ def test_sequence_is_stable_for_very_negative_log_probs_and_zero_weights():
 
 def test_nll_floor_applies_only_when_every_source_gives_zero():
     preds = np.array([[0.0, 0.0], [0.0, 0.5]])
-    examples = objectives.prepare_examples(preds)
+    with (
+        pytest.warns(UserWarning, match="probability 0 under every source"),
+        pytest.warns(UserWarning, match=r"column\(s\) \[0\]"),
+    ):
+        examples = objectives.prepare_examples(preds)
     losses = objectives.per_example_losses(jnp.array([0.5, 0.5]), examples, kind="nll")
     np.testing.assert_allclose(losses, [-np.log(objectives.NLL_FLOOR), -np.log(0.25)], rtol=1e-5)
 

@@ -356,3 +356,18 @@ def test_invalid_proxy_outputs_raise_in_dp_mixmin():
         )
     with pytest.raises(ValueError, match="non-finite"):
         solvers.mixmin(np.where(PREDS > 0.9, np.nan, PREDS))
+
+
+def test_non_finite_weights_are_an_error_naming_the_step():
+    # A learning rate of 1e38 used to return an all-NaN λ with an ε.
+    with pytest.raises(ValueError, match="non-finite mixture weights at step 1 of 5"):
+        solvers.dp_mixmin(
+            PREDS,
+            epsilon=1.0,
+            delta=1e-5,
+            steps=5,
+            batch_size=100,
+            clip_norm=1.0,
+            learning_rate=1e38,
+            seed=0,
+        )

@@ -50,3 +50,48 @@ def test_private_step_on_8_devices_matches_1_device():
         assert case["moved"] > 1e-4  # the step really changed the parameters
         assert case["max_diff"] < 1e-5  # same batch, same noise, same update
     assert report["gpt2_data4_model2"]["sharded"]  # FSDP really split parameters
+
+
+def test_mesh_flag_parsing_and_the_active_mesh_reaches_the_trainer():
+    assert parallel.parse_mesh("data=4,model=2") == parallel.MeshConfig(data=4, model=2)
+    assert parallel.parse_mesh("model=1") == parallel.MeshConfig()
+    for bad in ("data=4,data=2", "batch=2", "data=two", "data"):
+        with pytest.raises(ValueError, match="--mesh"):
+            parallel.parse_mesh(bad)
+    from flax import nnx
+
+    from dpmix_jax.train import engine, losses
+
+    config = engine.TrainConfig(steps=1, batch_size=1, learning_rate=0.1, progress=False)
+    model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    mesh = parallel.make_mesh(parallel.MeshConfig())
+    try:
+        parallel.set_active_mesh(mesh, 16)
+        trainer = engine.Trainer(config, model, losses.softmax_cross_entropy())
+        assert trainer.mesh is mesh and trainer._min_shard == 16
+    finally:
+        parallel.set_active_mesh(None)
+    assert engine.Trainer(config, model, losses.softmax_cross_entropy()).mesh is None
+    written = []
+    parallel.on_main_process(lambda: written.append(1))
+    assert written == [1] and parallel.is_main_process()
+    np.testing.assert_array_equal(parallel.broadcast_from_main(np.arange(3)), np.arange(3))
+    assert [parallel.agree_int(v) for v in (0, 2**32, 2**128 - 1)] == [0, 2**32, 2**128 - 1]
+    assert parallel.agree(True) and not parallel.agree(False)
+
+
+def test_every_experiment_takes_mesh_and_distributed():
+    from dpmix_jax import cli
+
+    parser = cli.experiment_parser("quickstart", "test")
+    try:
+        args = parser.parse_args(["--mesh", f"data={jax.device_count()}"])
+        assert args.mesh == f"data={jax.device_count()}" and not args.distributed
+        assert parallel.active_mesh()[0].shape["data"] == jax.device_count()
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--mesh", "data=3,model=5"])  # does not fit the devices
+        parser.add_argument("--out")
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--out", "gs://bucket/run"])  # a URL, not a mounted folder
+    finally:
+        parallel.set_active_mesh(None)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate import accounting, generation
+from dpmix_jax.pate import accounting, generation, samplers, smooth_sensitivity
 from dpmix_jax.pate.teachers import (
     InContextTeachers,
     TableTeachers,
@@ -65,6 +65,32 @@ def test_agreeing_teachers_are_followed_and_every_query_is_charged(sampler, priv
         assert result.gnmax.epsilon_data_dependent < result.gnmax.epsilon_data_independent_rdp
 
 
+def test_confident_gnmax_run_releases_its_data_dependent_epsilon_privately():
+    gnmax = dict(aggregator="confident_gnmax", threshold=40.0, sigma1=5.0, sigma2=3.0)
+    config = generation.GenerationConfig(
+        max_new_tokens=4, release_order=8.0, release_noise_multiplier=2.0, **gnmax
+    )
+    result = generation.generate(jax.random.key(0), chain_table(64), [3], config)
+    released = result.released
+    assert released.order == 8.0 and released.noise_multiplier == 2.0
+    expected = smooth_sensitivity.release_data_dependent_epsilon(
+        np.stack([np.eye(V, dtype=int)[t] * 64 for t in (4, 5, 6, 7)]),
+        np.ones(4, bool),
+        order=8.0,
+        noise_multiplier=2.0,
+        delta=config.report_delta,
+        seed=0,
+        **{k: gnmax[k] for k in ("threshold", "sigma1", "sigma2")},
+    )
+    # Unanimous histograms: the noise-free value is the closed-form analysis of these 4 queries.
+    assert released.epsilon_noise_free == pytest.approx(expected.epsilon_noise_free)
+    assert released.smooth_sensitivity == pytest.approx(expected.smooth_sensitivity)
+    assert released.epsilon != released.epsilon_noise_free
+    assert generation.GenerationConfig(**gnmax).release_order is None
+    with pytest.raises(ValueError, match="confident_gnmax"):
+        generation.GenerationConfig(release_order=8.0, **DPWS)
+
+
 def test_failed_steps_fall_back_to_public_model_and_retries_are_charged():
     config = generation.GenerationConfig(max_new_tokens=4, max_retries=2, **DPWS)
     result = generation.generate(
@@ -76,6 +102,22 @@ def test_failed_steps_fall_back_to_public_model_and_retries_are_charged():
     assert result.epsilon == pytest.approx(
         accounting.epsilon_of_steps(accounting.dpws_event(1.0), steps=12, delta=1e-5)
     )
+
+
+def test_retries_share_one_sampler_set_up_per_step(monkeypatch):
+    prepared = []
+    original = samplers.coordinated_sampler
+
+    def counting(logits, **kwargs):
+        prepared.append(kwargs)
+        return original(logits, **kwargs)
+
+    monkeypatch.setattr(samplers, "coordinated_sampler", counting)
+    config = generation.GenerationConfig(max_new_tokens=3, max_retries=2, **DPWS)
+    result = generation.generate(
+        jax.random.key(1), disagreeing_teachers(24), [], config, public_model=public_model
+    )
+    assert result.num_queries == 9 and len(prepared) == 3  # 3 steps x 3 calls, 3 set-ups
 
 
 def test_without_public_model_decoding_stops_on_fail():
@@ -106,20 +148,35 @@ def test_config_validation():
         generation.generate(jax.random.key(0), object(), [], generation.GenerationConfig())
 
 
-def test_partition_is_disjoint_covering_and_data_independent():
-    parts = partition_records(103, 10, seed=5)
+def test_partition_is_disjoint_covering_and_keyed_by_record_id():
+    ids = [f"record {i}" for i in range(103)]
+    parts = partition_records(ids, 10, key=5)
     flat = np.concatenate(parts)
     assert sorted(flat.tolist()) == list(range(103))
-    assert {len(p) for p in parts} <= {10, 11}
-    again = partition_records(103, 10, seed=5)
+    again = partition_records(ids, 10, key=5)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
-    with pytest.raises(ValueError):
-        partition_records(5, 10, seed=0)
+    with pytest.raises(ValueError, match="10 teachers for 5 records"):
+        partition_records(ids[:5], 10, key=0)
+
+
+def test_adding_or_removing_a_record_changes_one_teacher_only():
+    ids = [f"record {i}" for i in range(300)]
+    teacher_of = lambda ids: {  # noqa: E731
+        ids[r]: t for t, part in enumerate(partition_records(ids, 16, key=b"k")) for r in part
+    }
+    full = teacher_of(ids)
+    fewer = teacher_of(ids[:100] + ids[101:])
+    assert all(full[r] == t for r, t in fewer.items())
+    more = teacher_of(["extra", *ids])
+    assert all(full[r] == t for r, t in more.items() if r != "extra")
+    # A secret key (the default) gives another partition each time.
+    secret = [partition_records(ids, 16)[0] for _ in range(2)]
+    assert not np.array_equal(*secret)
 
 
 def test_prompts_use_only_own_records():
     records = [[100 + i, 200 + i] for i in range(20)]
-    parts = partition_records(20, 4, seed=0)
+    parts = partition_records(list(range(20)), 4, key=0)
     prompts = build_prompts(records, parts, separator=[1], records_per_teacher=3)
     for prompt, part in zip(prompts, parts, strict=True):
         expected = [t for i in part[:3] for t in (*records[i], 1)]

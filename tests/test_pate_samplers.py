@@ -110,6 +110,66 @@ def test_zero_probability_tokens_never_get_votes(sampler):
     assert np.all(hist.sum(axis=1) == 8)
 
 
+def independent_law(logits, temperature=1.0):
+    """The exact per-teacher law of the independent sampler, read off its fixed-point tables."""
+    n, vocab = logits.shape
+    block, blocks, _ = samplers._padded_sizes(vocab)
+    block_cdf, local_cdf = (
+        np.asarray(t, np.float64) for t in samplers._inverse_cdf_tables(logits, temperature)
+    )
+    widths = np.diff(block_cdf[:, :blocks], axis=1, prepend=0.0) / 2**30
+    local = np.diff(local_cdf.reshape(n, blocks, block), axis=2, prepend=0.0) / 2**30
+    return (widths[:, :, None] * local).reshape(n, -1)[:, :vocab]
+
+
+def float64_softmax(logits, temperature=1.0):
+    x = np.asarray(logits, np.float64) / temperature
+    p = np.exp(x - x.max(axis=1, keepdims=True))
+    return p / p.sum(axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_independent_law_is_exact_to_float32_resolution_on_flat_large_vocabularies(temperature):
+    # Flat teachers over V = 50,257: a float32 cumulative sum over V quantises every interval to
+    # ulp(cdf) ~ 6e-8 against probabilities ~2e-5 (total variation ~1e-3 off the softmax); the
+    # two-level integer tables must be within float32 resolution (TV < 1e-6 per teacher).
+    logits = 0.5 * jax.random.normal(jax.random.key(3), (4, 50_257))
+    law = independent_law(logits, temperature)
+    exact = float64_softmax(logits, temperature)
+    assert np.all(np.abs(law.sum(axis=1) - 1) < 1e-12)
+    assert np.max(0.5 * np.abs(law - exact).sum(axis=1)) < 1e-6
+    # The old float32 cumulative sum, for contrast: off by orders of magnitude more.
+    cdf = np.asarray(jnp.cumsum(jax.nn.softmax(logits / temperature, axis=-1), axis=-1))
+    widths = np.diff(cdf.astype(np.float64), axis=1, prepend=0.0) / cdf[:, -1:]
+    assert np.max(0.5 * np.abs(widths - exact).sum(axis=1)) > 1e-4
+
+
+def test_independent_votes_follow_the_tables_across_blocks_and_zero_tokens():
+    # V = 600: three blocks (the last one padded), zero-probability tokens in every block.
+    logits = jax.random.normal(jax.random.key(4), (1, 600))
+    logits = logits.at[0, ::7].set(NEG_INF).at[0, 256:300].set(NEG_INF)
+    law = independent_law(logits)[0]
+    assert np.all(law[np.asarray(logits[0]) == NEG_INF] == 0)
+    hist = np.asarray(samplers.independent_histograms(jax.random.key(5), logits, 60_000))
+    assert chi_square_pvalue(hist.sum(axis=0), law) > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("prepare", "one_shot"),
+    [
+        (samplers.coordinated_sampler, samplers.coordinated_histograms),
+        (functools.partial(samplers.coordinated_sampler, top_k=3), LAZY),
+        (samplers.independent_sampler, samplers.independent_histograms),
+    ],
+)
+def test_prepared_sampler_draws_what_the_one_shot_call_draws(prepare, one_shot):
+    logits = jax.random.normal(jax.random.key(8), (6, 700))
+    draw = prepare(logits, temperature=0.8)
+    for seed in (0, 1):
+        expected = one_shot(jax.random.key(seed), logits, 5, temperature=0.8)
+        np.testing.assert_array_equal(draw(jax.random.key(seed), 5), expected)
+
+
 def lm_like_logits(key, n, vocab, sharpness=3.0):
     """Zipf-like shared distribution with per-teacher perturbations."""
     base = -1.2 * jnp.log1p(jnp.arange(vocab, dtype=jnp.float32))
@@ -349,3 +409,66 @@ def test_fresh_noise_per_histogram():
 def test_bad_inputs_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         samplers.coordinated_histograms(jax.random.key(0), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# Flat teachers: the largest noise values drawn first.
+# ------------------------------------------------------------------------------------------
+
+
+def test_top_noise_is_the_largest_of_iid_gumbels_at_uniform_distinct_positions():
+    vocab, count = 400, samplers._FLAT_LEADERS + 1
+    keys = jax.random.split(jax.random.key(40), 3000)
+    values, positions = jax.vmap(lambda k: samplers._top_noise(k, vocab, count))(keys)
+    values, positions = np.asarray(values), np.asarray(positions)
+    reference = -np.sort(-np.asarray(jax.random.gumbel(jax.random.key(41), (3000, vocab))), 1)
+    for k in (0, 7, count - 1):  # order statistics: same law as sorting V iid Gumbels
+        assert stats.ks_2samp(values[:, k], reference[:, k]).pvalue > 1e-3
+    assert np.all(np.diff(values, axis=1) <= 0)
+    assert all(len(set(row)) == count for row in positions)
+    assert (
+        chi_square_pvalue(np.bincount(positions.ravel() // 20, minlength=20), [1 / 20] * 20) > 1e-3
+    )
+    # The largest value's position is uniform too (values are matched to positions at random).
+    assert chi_square_pvalue(np.bincount(positions[:, 0] // 40, minlength=10), [0.1] * 10) > 1e-3
+
+
+def flat_plan(logits):
+    return samplers._FlatPlan(
+        row_max=jnp.max(logits, axis=1), column_max=samplers._column_max(logits)
+    )
+
+
+def test_flat_completed_noise_is_iid_gumbel_and_certified_votes_are_its_argmaxes():
+    logits = 0.4 * jax.random.normal(jax.random.key(42), (12, 400))
+    plan = flat_plan(logits)
+    keys = jax.random.split(jax.random.key(43), 2000)
+    noise = np.asarray(jax.vmap(lambda k: samplers._flat_full_noise(k, plan))(keys))
+    gumbel = stats.gumbel_r()
+    for j in (0, 199, 399):
+        assert stats.kstest(noise[:, j], gumbel.cdf).pvalue > 1e-3
+    assert abs(np.corrcoef(noise[:, :2].T)[0, 1]) < 4 / np.sqrt(2000)
+    assert stats.kstest(noise.max(1) - np.log(400), gumbel.cdf).pvalue > 1e-3
+    votes, _, failing = jax.vmap(lambda k: samplers._flat_certified_votes(k, logits, plan))(keys)
+    argmax = np.argmax(np.asarray(logits)[None] + noise[:, None, :], axis=-1)
+    certified = ~np.asarray(failing)
+    assert certified.mean() > 0.5  # the certificate is what makes flat teachers cheap
+    np.testing.assert_array_equal(np.asarray(votes)[certified], argmax[certified])
+
+
+def test_flat_sampler_has_the_full_scans_joint_law():
+    # Flat teachers over V = 300 with K = 200: the head is most of the vocabulary, so the flat
+    # certificate runs (some histograms certified, some rescanned).
+    logits = 1.5 * jax.random.normal(jax.random.key(44), (3, 300))
+    r = 8000
+    full = votes_of(samplers.coordinated_histograms(jax.random.key(45), logits, r))
+    flat_draw = samplers.coordinated_sampler(logits, top_k=200)
+    flat = votes_of(flat_draw(jax.random.key(46), r))
+    _, _, failing = jax.vmap(
+        lambda k: samplers._flat_certified_votes(k, logits, flat_plan(logits))
+    )(jax.random.split(jax.random.key(47), 500))
+    assert 0.02 < float(np.mean(np.asarray(failing).any(axis=1))) < 0.98  # both paths run
+    tokens = np.sort(np.argsort(-np.bincount(full.ravel(), minlength=300))[:4])
+    table = np.stack([np.bincount(grouped_joint(v, tokens), minlength=125) for v in (full, flat)])
+    table = table[:, table.sum(0) > 0]
+    assert stats.chi2_contingency(table).pvalue > 1e-3

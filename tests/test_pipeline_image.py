@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dpmix_jax.pipeline import ImagePipeline, MixtureConfig, common, presets, run_comparison
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import SEEDED_NOTE, accounting
 from dpmix_jax.train import TrainConfig
 
 QUIET = {"progress": False, "log_every": None}
@@ -50,10 +50,11 @@ def test_dp_mixmin_run_stores_its_stages_and_composes_budgets_in_parallel(task, 
     mix, ft = pipeline.split(0)
     assert len(np.intersect1d(mix, ft)) == 0
     assert np.array_equal(np.sort(np.concatenate([mix, ft])), np.arange(len(task.train)))
-    assert len(mix) == pytest.approx(0.3 * len(task.train), abs=1)
+    n = len(task.train)  # a Binomial(n, ρ) part size (units are hashed into parts)
+    assert len(mix) == pytest.approx(0.3 * n, abs=5 * np.sqrt(n * 0.3 * 0.7))
 
-    store = tmp_path / "seed0"
-    mixture = json.loads((store / "mixture_parallel_eps1.json").read_text())
+    store = pipeline.stage_folder(0)
+    mixture = json.loads((store / "mixture_parallel_eps1.0.json").read_text())
     # The mixture stage's ε is the accountant's for the σ, rate and steps it ran.
     expected_mix = accounting.epsilon(
         accounting.dpsgd_event(
@@ -71,7 +72,7 @@ def test_dp_mixmin_run_stores_its_stages_and_composes_budgets_in_parallel(task, 
     assert len(result.weights) == task.k and sum(result.weights) == pytest.approx(1.0)
     assert {"split", "proxy", "proxy_outputs", "mixture", "finetune"} <= set(stages)
     assert any(s.startswith("pretrain_") for s in stages)
-    assert (store / "run_dp_mixmin_parallel_eps1.json").exists()
+    assert (store / "run_dp_mixmin_parallel_eps1.0.json").exists()
 
 
 def test_sequential_composition_uses_all_data_and_adds_the_stage_budgets(task, tmp_path):
@@ -86,8 +87,8 @@ def test_sequential_composition_uses_all_data_and_adds_the_stage_budgets(task, t
 
 def test_resume_skips_finished_stages_and_reports_the_same_budget(task, tmp_path):
     first = ImagePipeline(task, tiny_config(), tmp_path).run("dp_mixmin", 1.0, seed=1)
-    store = tmp_path / "seed1"
-    (store / "run_dp_mixmin_parallel_eps1.json").unlink()
+    store = ImagePipeline(task, tiny_config(), tmp_path).stage_folder(1)
+    (store / "run_dp_mixmin_parallel_eps1.0.json").unlink()
     for finetune_dir in store.glob("finetune_*"):
         shutil.rmtree(finetune_dir)  # a run killed during fine-tuning
 
@@ -148,9 +149,21 @@ def test_comparison_writes_results_in_the_documented_shape(task, tmp_path):
 
 def test_group_ids_give_a_group_disjoint_split():
     groups = np.repeat(np.arange(30), 4)
-    mix, ft = common.split_mixture(len(groups), 0.2, seed=0, group_ids=groups)
+    mix, ft = common.split_mixture(groups, 0.2, key=0)
     assert not set(groups[mix]) & set(groups[ft])
     assert len(mix) + len(ft) == len(groups)
+
+
+def test_split_is_by_unit_id_so_adding_or_removing_a_unit_moves_no_other():
+    ids = [f"user{i}" for i in range(200)]
+    mix, _ = common.split_mixture(ids, 0.3, key=7)
+    in_mix = {ids[i] for i in mix}
+    fewer = ids[:50] + ids[51:]  # one unit removed from the middle
+    mix_fewer, _ = common.split_mixture(fewer, 0.3, key=7)
+    assert {fewer[i] for i in mix_fewer} == in_mix - {ids[50]}
+    more = ["newcomer", *ids]
+    mix_more, _ = common.split_mixture(more, 0.3, key=7)
+    assert {more[i] for i in mix_more} - {"newcomer"} == in_mix
 
 
 @pytest.mark.parametrize(
@@ -176,3 +189,100 @@ def test_bad_run_arguments_are_rejected(task, tmp_path):
         dataclasses.replace(
             tiny_config(), finetune=TrainConfig(steps=1, batch_size=8, learning_rate=0.1)
         )
+
+
+def test_a_runs_secret_is_drawn_once_kept_owner_only_and_reused_on_resume(task, tmp_path):
+    first = ImagePipeline(task, tiny_config(), tmp_path)
+    split_key = first.private_seed(0, "split")
+    resumed = ImagePipeline(task, tiny_config(), tmp_path)  # a rerun on the same store
+    assert resumed.private_seed(0, "split") == split_key
+    assert first.private_seed(0, "mixture", "1") != split_key  # one stream per use
+    assert first.private_seed(1, "split") != split_key  # one secret per run
+    elsewhere = ImagePipeline(task, tiny_config(), tmp_path / "elsewhere")
+    assert elsewhere.private_seed(0, "split") != split_key
+    secret_file = first.stage_folder(0) / "secret_randomness.json"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    seeded = ImagePipeline(task, tiny_config(), tmp_path / "seeded", reproducible=True)
+    assert seeded.private_seed(0, "split") == common.derived_seed(0, "split")
+    assert not (seeded.stage_folder(0) / "secret_randomness.json").exists()
+
+
+@pytest.mark.slow
+def test_private_randomness_is_secret_by_default_and_seeded_only_when_asked(task, tmp_path):
+    def compare(root, **options):
+        return run_comparison(
+            ImagePipeline(task, tiny_config(), root / "stages", **options),
+            dataset="digits",
+            metric="test AUC",
+            higher_is_better=True,
+            methods=["dp_mixmin"],
+            epsilons=[1.0],
+            seeds=[0],
+            out_dir=root,
+            progress=False,
+        )
+
+    secret = [compare(tmp_path / name) for name in ("a", "b")]
+    assert not secret[0]["noise_seeded"] and not secret[0]["runs"][0]["noise_seeded"]
+    assert secret[0]["runs"][0]["weights"] != secret[1]["runs"][0]["weights"]
+
+    def seed0(name):
+        return next((tmp_path / name / "stages").glob("*/seed0"))
+
+    splits = [json.loads((seed0(n) / "split.json").read_text()) for n in "ab"]
+    assert splits[0]["mix"] != splits[1]["mix"]  # the split key is secret too
+    secret_file = seed0("a") / "secret_randomness.json"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    hidden = json.loads(secret_file.read_text())["secret"]
+    written = [p for p in (tmp_path / "a").rglob("*") if p.is_file() and p != secret_file]
+    assert not any(hidden in p.read_text(errors="ignore") for p in written)
+    assert "private randomness secret" in (tmp_path / "a/results.md").read_text().lower()
+
+    seeded = [compare(tmp_path / name, reproducible=True) for name in ("c", "d")]
+    assert seeded[0]["noise_seeded"] and seeded[0]["runs"][0]["noise_seeded"]
+    assert seeded[0]["runs"][0]["weights"] == seeded[1]["runs"][0]["weights"]
+    assert seeded[0]["runs"][0]["utility"] == seeded[1]["runs"][0]["utility"]
+    assert not (seed0("c") / "secret_randomness.json").exists()
+    assert SEEDED_NOTE in (tmp_path / "c/results.md").read_text()
+
+
+def test_stored_stages_are_keyed_by_everything_that_determines_them(task, tmp_path):
+    def run(config, epsilon):
+        computed = []
+        pipeline = ImagePipeline(task, config, tmp_path, on_stage=computed.append)
+        return pipeline.run("random_init", epsilon, seed=0), computed
+
+    first, computed = run(tiny_config(), 1.0)
+    assert "finetune" in computed
+    assert run(tiny_config(), 1.0) == (first, [])  # the same settings read back, nothing runs
+    # Another δ, a nearby ε, another stage setting: each computes afresh, none returns `first`.
+    other_delta, computed = run(tiny_config(delta=1e-6), 1.0)
+    assert "finetune" in computed and other_delta.delta == 1e-6
+    near, computed = run(tiny_config(), 1.0000004)
+    assert computed == ["finetune"] and near.epsilon == 1.0000004  # same settings folder
+    finetune = dataclasses.replace(tiny_config().finetune, steps=5)
+    _, computed = run(tiny_config(finetune=finetune), 1.0)
+    assert "finetune" in computed
+    folders = {p.parent for p in tmp_path.glob("*/settings.json")}
+    assert len(folders) == 3  # one per distinct setting, each described by its settings.json
+    assert run(tiny_config(), 1.0) == (first, [])  # the first settings are still there
+
+
+def test_one_output_folder_holds_one_data_set(task, tmp_path):
+    def compare(dataset):
+        return run_comparison(
+            ImagePipeline(task, tiny_config(), tmp_path / "stages"),
+            dataset=dataset,
+            metric="test AUC",
+            higher_is_better=True,
+            methods=["random_init"],
+            epsilons=[1.0],
+            seeds=[0],
+            out_dir=tmp_path,
+            progress=False,
+        )
+
+    compare("digits")
+    with pytest.raises(ValueError, match="holds the results of 'digits'"):
+        compare("other digits")
+    assert json.loads((tmp_path / "results.json").read_text())["dataset"] == "digits"

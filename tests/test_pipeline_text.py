@@ -38,9 +38,10 @@ def tiny_config(level="user", **overrides) -> TextPipelineConfig:
         model=TINY,
         proxy=TrainConfig(steps=12, batch_size=8, learning_rate=3e-3, **quiet),
         shared_proxies=False,
-        mixture=dataclasses.replace(base.mixture, steps=20),
+        # About 14 train users: expected batches well below D_mix's and D_ft's units (q < 1).
+        mixture=dataclasses.replace(base.mixture, steps=20, batch_size=2 if level == "user" else 4),
         pretrain=TrainConfig(steps=12, batch_size=8, learning_rate=3e-3, **quiet),
-        finetune=dataclasses.replace(base.finetune, steps=3),
+        finetune=dataclasses.replace(base.finetune, steps=3, batch_size=4),
         finetune_last_blocks=0,
         random_search_candidates=2,
     )
@@ -64,7 +65,8 @@ def finished(task, tmp_path_factory):
     """A dp_mixmin run at ε = 1 (parallel composition), with the stages it computed."""
     root = tmp_path_factory.mktemp("text_pipeline")
     computed = []
-    pipeline = TextPipeline(task, tiny_config(), root, on_stage=computed.append)
+    # Seeded, so that the split (a keyed hash of the users) is the same on every test run.
+    pipeline = TextPipeline(task, tiny_config(), root, on_stage=computed.append, reproducible=True)
     result = pipeline.run("dp_mixmin", 1.0, 0)
     return pipeline, result, computed
 
@@ -75,16 +77,16 @@ def _user_names(documents: UserDocuments, positions) -> set[str]:
 
 def test_stages_are_stored_and_the_split_is_user_disjoint(task, finished):
     pipeline, result, computed = finished
-    seed_dir = pipeline.root / "seed0"
-    assert (pipeline.root / "tokenizer.json").is_file()
-    for name in ("split", "proxy_outputs_parallel", "mixture_parallel_eps1"):
+    seed_dir = pipeline.stage_folder(0)
+    assert (seed_dir.parent / "tokenizer.json").is_file()
+    for name in ("split", "proxy_outputs_parallel", "mixture_parallel_eps1.0"):
         assert (seed_dir / f"{name}.json").is_file(), name
-    assert (seed_dir / "run_dp_mixmin_parallel_eps1.json").is_file()
+    assert (seed_dir / "run_dp_mixmin_parallel_eps1.0.json").is_file()
     assert sorted(p.name for p in seed_dir.glob("proxy_*") if p.is_dir()) == [
         f"proxy_{i}" for i in range(task.k)
     ]
     assert len(list(seed_dir.glob("pretrain_*/"))) == 1
-    assert len(list(seed_dir.glob("finetune_*_ft_parallel_eps1"))) == 1
+    assert len(list(seed_dir.glob("finetune_*_ft_parallel_eps1.0"))) == 1
     assert computed.count("proxy") == task.k
     assert {"tokenizer", "split", "proxy_outputs", "mixture", "finetune"} <= set(computed)
 
@@ -131,7 +133,7 @@ def test_proxy_outputs_against_direct_log_probabilities(task, finished):
 def test_parallel_budget_is_the_max_of_the_stage_accountants(task, finished):
     pipeline, result, _ = finished
     config = pipeline.config
-    stored = json.loads((pipeline.root / "seed0" / "mixture_parallel_eps1.json").read_text())
+    stored = json.loads((pipeline.stage_folder(0) / "mixture_parallel_eps1.0.json").read_text())
     mix, ft = pipeline.split(0)
     assert stored["num_units"] == len(_user_names(task.train, mix))  # user-level sampling
     mix_eps = accounting.epsilon(
@@ -156,9 +158,11 @@ def test_parallel_budget_is_the_max_of_the_stage_accountants(task, finished):
 
 def test_resume_recomputes_nothing_and_reports_the_same_budget(task, finished):
     pipeline, result, _ = finished
-    (pipeline.root / "seed0" / "run_dp_mixmin_parallel_eps1.json").unlink()
+    (pipeline.stage_folder(0) / "run_dp_mixmin_parallel_eps1.0.json").unlink()
     computed = []
-    again = TextPipeline(task, pipeline.config, pipeline.root, on_stage=computed.append)
+    again = TextPipeline(
+        task, pipeline.config, pipeline.root, on_stage=computed.append, reproducible=True
+    )
     resumed = again.run("dp_mixmin", 1.0, 0)
     assert computed == []
     assert resumed.spent == result.spent and dict(resumed.stages) == dict(result.stages)
@@ -170,7 +174,9 @@ def test_sequential_composition_sums_the_stage_budgets(task, finished):
     pipeline, _, _ = finished
     config = dataclasses.replace(pipeline.config, composition="sequential")
     computed = []
-    sequential = TextPipeline(task, config, pipeline.root, on_stage=computed.append)
+    sequential = TextPipeline(
+        task, config, pipeline.root, on_stage=computed.append, reproducible=True
+    )
     result = sequential.run("dp_mixmin", 2.0, 0)
     assert "proxy" not in computed  # the proxies are reused
     mix, ft = sequential.split(0)
@@ -212,9 +218,9 @@ def test_example_level_mixture_samples_documents(tmp_path):
         text_task(level="example", num_users=16, documents_per_user=(2, 3), max_chars=300)
     )
     assert len(task.train.users) == len(task.train) + len(task.val) + len(task.test)
-    pipeline = TextPipeline(task, tiny_config(level="example"), tmp_path)
+    pipeline = TextPipeline(task, tiny_config(level="example"), tmp_path, reproducible=True)
     weights, budget = pipeline.mixture(1.0, 0)
-    stored = json.loads((tmp_path / "seed0" / "mixture_parallel_eps1.json").read_text())
+    stored = json.loads((pipeline.stage_folder(0) / "mixture_parallel_eps1.0.json").read_text())
     mix, _ = pipeline.split(0)
     assert stored["num_units"] == len(mix)
     assert budget.epsilon <= 1.0 + 1e-6 and abs(np.sum(weights) - 1) < 1e-4

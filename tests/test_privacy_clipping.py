@@ -171,3 +171,61 @@ def test_mismatched_mask_and_batch_are_rejected(problem):
     params, batch, _ = problem
     with pytest.raises(ValueError, match="leading axis"):
         clipping.clipped_grad_sum(mlp_loss, clip_norm=1.0)(params, batch, np.ones(5, bool))
+
+
+def _random_tree(rng, dtype, scale):
+    shapes = {"a": (37,), "b": (5, 7), "c": (3, 2, 5)}
+    return {k: jnp.asarray(scale * rng.standard_normal(s), dtype=dtype) for k, s in shapes.items()}
+
+
+def _float64_norm(tree):
+    return np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_clipped_unit_stays_within_c_in_its_own_dtype(dtype):
+    # Round-to-nearest casts of the scaled leaves used to give norms up to 1.0032·C in bfloat16.
+    rng = np.random.default_rng(0)
+    clip_fn = jax.jit(clipping.clip_to_norm)
+    worst = 0.0
+    for trial in range(120):
+        clip = float(rng.choice([1.0, 0.37, 13.0, 1e-3]))
+        scale = clip * float(10.0 ** rng.uniform(-1.5, 2.0))
+        tree = _random_tree(rng, dtype, scale)
+        clipped, norm = clip_fn(tree, clip, jnp.array(True))
+        assert all(leaf.dtype == dtype for leaf in jax.tree.leaves(clipped))
+        ratio = _float64_norm(clipped) / clip
+        worst = max(worst, ratio)
+        assert ratio <= 1.0, (trial, ratio)
+        if float(norm) > clip:  # clipped units lose at most the slack and the cast's rounding
+            assert ratio >= 1.0 - 2.0**-20 - 2 * float(jnp.finfo(dtype).eps)
+    assert worst > 0.99  # the check was reached by units clipped to about C
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_clipped_sum_of_one_unit_stays_within_c(dtype):
+    def loss(w, example):
+        return jnp.sum((example["x"] * w).astype(jnp.float32) ** 2)
+
+    grad_sum = clipping.clipped_grad_sum(loss, clip_norm=1.0)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        w = jnp.asarray(rng.standard_normal(64), dtype)
+        batch = {"x": jnp.asarray(rng.uniform(1, 5, size=(1, 64)), dtype)}
+        total, _ = grad_sum(w, batch, np.ones(1, bool))
+        assert total.dtype == dtype
+        assert _float64_norm(total) <= 1.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_user_clipped_gradient_stays_within_c_in_low_precision(dtype):
+    def loss(w, example):
+        return jnp.sum((example["x"] * w).astype(jnp.float32) ** 2)
+
+    grad_sum = clipping.user_clipped_grad_sum(loss, clip_norm=0.5)
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        w = jnp.asarray(rng.standard_normal(48), dtype)
+        batch = {"x": jnp.asarray(rng.uniform(1, 5, size=(1, 3, 48)), dtype)}
+        total, _ = grad_sum(w, batch, np.ones((1, 3), bool))
+        assert _float64_norm(total) <= 0.5

@@ -4,13 +4,16 @@ Each loader returns a `CxrDataset`: a `Source` whose examples are
 `{"image": float32 (H, W, 1) in [0, 1], "labels": float32 (14,)}`, with `.labels` (n, 14),
 `.label_names` (the data set's 14 names in its canonical order), `.patient_ids` (its `group_ids`),
 `.paths`, `.views` and `.skipped` (reason -> count of rows left out on purpose). Images are read
-lazily with Pillow, converted to grayscale and resized bilinearly to `image_size`.
+lazily with Pillow, converted to grayscale, scaled by their bit depth (8 or 16 bits) and resized
+bilinearly to `image_size`.
 
 Label handling: NIH `Finding Labels` are `|`-joined names, `No Finding` means all zeros. CheXpert
 and MIMIC-CXR observations are 1.0 / 0.0 / -1.0 (uncertain) / blank; uncertain and blank map to 0
-("U-Zeros"). Any other value, an unknown finding name, or a missing column is a ValueError naming
-the file (and row). A CSV row whose image file is missing is an error by default; with
-`on_missing="skip"` it is left out and counted in `.skipped["missing_image"]` (partial downloads).
+("U-Zeros"); a blank field is allowed, a missing one is not. Any other value, an unknown finding
+name, a missing column, a row with more or fewer fields than the header, or a CSV that is not
+UTF-8 is a ValueError naming the file and row (rows are numbered as the file's lines). A CSV
+row whose image file is missing is an error by default; with `on_missing="skip"` it is left out
+and counted in `.skipped["missing_image"]` (partial downloads).
 MIMIC-CXR images whose study has no row in the CheXpert-labels file are known to exist in the real
 set; they are always skipped and counted as `"unlabelled_study"`. Unreadable images raise when read.
 
@@ -27,6 +30,7 @@ API:
 from __future__ import annotations
 
 import csv
+import io
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -73,6 +77,9 @@ CHEXPERT_LABELS = (
 NIH_NO_FINDING = "No Finding"
 _FRONTAL_MIMIC = frozenset({"PA", "AP"})
 _LATERAL_MIMIC = frozenset({"LATERAL", "LL"})
+# Pillow modes of 16-bit grayscale images (16-bit PNGs open as "I;16", or "I" in old Pillows).
+_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
+_BILINEAR = Image.Resampling.BILINEAR
 
 Views = Literal["frontal", "lateral", "all"]
 OnMissing = Literal["error", "skip"]
@@ -128,11 +135,20 @@ class CxrDataset(Source):
         return self.patient_ids
 
     def image(self, i: int) -> np.ndarray:
-        """Reads image i as float32 (H, W, 1) in [0, 1]; an unreadable file is a ValueError."""
+        """Reads image i as float32 (H, W, 1) in [0, 1]; an unreadable file is a ValueError.
+
+        8-bit images are scaled by 1/255, 16-bit grayscale ones by 1/65535.
+        """
         path = self.paths[i]
+        size = self.image_size[::-1]
         try:
             with Image.open(path) as img:
-                gray = img.convert("L").resize(self.image_size[::-1], Image.Resampling.BILINEAR)
+                if img.mode in _SIXTEEN_BIT_MODES or (img.mode == "I" and img.format == "PNG"):
+                    # Pillow's "L" conversion clips 16-bit values at 255; scale them instead.
+                    scaled = np.asarray(img, dtype=np.float32) / 65535.0
+                    resized = Image.fromarray(scaled).resize(size, _BILINEAR)
+                    return np.asarray(resized, dtype=np.float32)[..., None]
+                gray = img.convert("L").resize(size, _BILINEAR)
         except (OSError, UnidentifiedImageError) as err:
             raise ValueError(f"cannot read image {path}: {err}") from err
         return (np.asarray(gray, dtype=np.float32) / 255.0)[..., None]
@@ -168,16 +184,42 @@ def patient_disjoint_split(
     return group_disjoint_split(dataset.patient_ids, fractions, seed=seed)
 
 
-def _read_csv(path: Path, required: Sequence[str]) -> list[dict[str, str]]:
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of `path` (without a byte-order mark); a ValueError names the bad line."""
     if not path.is_file():
         raise ValueError(f"missing file {path}")
-    with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        columns = reader.fieldnames or []
-        missing = [c for c in required if c not in columns]
-        if missing:
-            raise ValueError(f"{path} lacks column(s) {missing}; found {columns}")
-        return list(reader)
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise ValueError(
+            f"{path} line {line}: not UTF-8 text (byte {data[err.start]:#04x}); "
+            "save the file as UTF-8"
+        ) from err
+
+
+def _read_csv(path: Path, required: Sequence[str]) -> list[tuple[int, dict[str, str]]]:
+    """(line number, row) of every data row; a row with more or fewer fields than the header is
+    a ValueError naming the file and line (a blank field is kept as "")."""
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
+    columns = reader.fieldnames or []
+    missing = [c for c in required if c not in columns]
+    if missing:
+        raise ValueError(f"{path} lacks column(s) {missing}; found {columns}")
+    rows = []
+    try:
+        for row in reader:
+            fields = len(columns) + len(row.get(None, ())) - list(row.values()).count(None)
+            if fields != len(columns):
+                raise ValueError(
+                    f"{path} row {reader.line_num}: {fields} fields, but the header has "
+                    f"{len(columns)}; the row is truncated or malformed: repair or remove it"
+                )
+            rows.append((reader.line_num, row))
+    except csv.Error as err:
+        raise ValueError(f"{path} row {reader.line_num}: malformed CSV ({err})") from err
+    return rows
 
 
 def _check_options(views: str, on_missing: str) -> None:
@@ -266,12 +308,12 @@ def load_nih(
         list_path = root / f"{subset}_list.txt"
         if not list_path.is_file():
             raise ValueError(f"missing file {list_path}")
-        wanted = set(list_path.read_text().split())
-        entries = [e for e in entries if e["Image Index"] in wanted]
+        wanted = set(_read_text(list_path).split())
+        entries = [(line, e) for line, e in entries if e["Image Index"] in wanted]
     files = {p.name: p for p in sorted(root.glob("images*/**/*.png"))}
     rows = []
     skipped: Counter = Counter()
-    for line, entry in enumerate(entries, start=2):
+    for line, entry in entries:
         where = f"{csv_path} row {line}"
         try:
             patient = int(entry["Patient ID"])
@@ -318,7 +360,7 @@ def nih_official_splits(
 def _observation_labels(row: Mapping[str, str], where: str) -> np.ndarray:
     out = np.zeros(len(CHEXPERT_LABELS), dtype=np.float32)
     for col, name in enumerate(CHEXPERT_LABELS):
-        value = (row[name] or "").strip()
+        value = row[name].strip()
         if value in ("", "0", "0.0", "-1", "-1.0"):
             continue
         if value in ("1", "1.0"):
@@ -362,7 +404,7 @@ def load_chexpert(
     entries = _read_csv(csv_path, ["Path", "Frontal/Lateral", *CHEXPERT_LABELS])
     rows = []
     skipped: Counter = Counter()
-    for line, entry in enumerate(entries, start=2):
+    for line, entry in entries:
         where = f"{csv_path} row {line}"
         view = entry["Frontal/Lateral"].strip().lower()
         if view not in ("frontal", "lateral"):
@@ -400,9 +442,7 @@ def load_mimic_cxr(
     label_path = root / "mimic-cxr-2.0.0-chexpert.csv"
     meta_path = root / "mimic-cxr-2.0.0-metadata.csv"
     study_labels = {}
-    for line, entry in enumerate(
-        _read_csv(label_path, ["subject_id", "study_id", *CHEXPERT_LABELS]), start=2
-    ):
+    for line, entry in _read_csv(label_path, ["subject_id", "study_id", *CHEXPERT_LABELS]):
         where = f"{label_path} row {line}"
         key = (entry["subject_id"].strip(), entry["study_id"].strip())
         study_labels[key] = _observation_labels(entry, where)
@@ -412,11 +452,11 @@ def load_mimic_cxr(
             raise ValueError(f"split must be 'train', 'validate', 'test' or None, got {split!r}")
         split_path = root / "mimic-cxr-2.0.0-split.csv"
         split_rows = _read_csv(split_path, ["dicom_id", "split"])
-        wanted = {r["dicom_id"].strip() for r in split_rows if r["split"].strip() == split}
+        wanted = {r["dicom_id"].strip() for _, r in split_rows if r["split"].strip() == split}
     rows = []
     skipped: Counter = Counter()
     meta = _read_csv(meta_path, ["dicom_id", "subject_id", "study_id", "ViewPosition"])
-    for line, entry in enumerate(meta, start=2):
+    for line, entry in meta:
         dicom, subject, study = (entry[c].strip() for c in ("dicom_id", "subject_id", "study_id"))
         if wanted is not None and dicom not in wanted:
             continue

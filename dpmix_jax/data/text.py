@@ -10,8 +10,9 @@ A root with no messages at all is a ValueError.
 
 Public text: `iter_documents(path)` streams documents one at a time from `.jsonl`, `.jsonl.gz`
 or `.parquet` files (a file or a folder of them, in sorted order) with a `text` field, up to
-`max_documents`; a bad JSON line or a record without the text field is a ValueError naming the file
-and line. `load_domains(root)` reads one folder per domain (Common Pile layout).
+`max_documents`; a bad JSON line, a line that is not UTF-8, a record without the text field, a
+truncated or corrupt `.gz` or `.parquet` file is a ValueError naming the file (and line or row).
+`load_domains(root)` reads one folder per domain (Common Pile layout).
 
 Packing: `pack_sequences` concatenates tokenised documents with end-of-text separators into
 fixed-length rows for LM training (never mixing two users in one row when users are given);
@@ -39,6 +40,7 @@ import email.policy
 import gzip
 import json
 import re
+import zlib
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -208,32 +210,67 @@ def _document_files(path: Path) -> list[Path]:
     return files
 
 
-def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """The lines of a plain or gzip file; a truncated or corrupt gzip stream is a ValueError."""
     opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with opener(path, "rb") as f:
+        line_number = 0
+        while True:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from err
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ValueError(f"{path} line {line_number}: no string field {text_field!r}")
-            yield record[text_field]
+                line = f.readline()
+            except (EOFError, OSError, zlib.error) as err:
+                raise ValueError(
+                    f"{path}: cannot read past line {line_number} ({err}); "
+                    "the file is truncated or corrupt: download it again"
+                ) from err
+            if not line:
+                return
+            line_number += 1
+            yield line
+
+
+def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
+    for line_number, raw in enumerate(_raw_lines(path), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{path} line {line_number}: not UTF-8 text (byte {raw[err.start]:#04x}); "
+                "JSON Lines files must be UTF-8"
+            ) from err
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from err
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ValueError(f"{path} line {line_number}: no string field {text_field!r}")
+        yield record[text_field]
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
-    if text_field not in parquet.schema_arrow.names:
-        raise ValueError(f"{path} has no column {text_field!r}; found {parquet.schema_arrow.names}")
-    for batch in parquet.iter_batches(columns=[text_field], batch_size=256):
-        for row, text in enumerate(batch.column(0).to_pylist()):
-            if not isinstance(text, str):
-                raise ValueError(f"{path}: a {text_field!r} value is {text!r} (batch row {row})")
-            yield text
+    row = 0
+    try:
+        parquet = pq.ParquetFile(path)
+        if text_field not in parquet.schema_arrow.names:
+            names = parquet.schema_arrow.names
+            raise ValueError(f"{path} has no column {text_field!r}; found {names}")
+        batches = parquet.iter_batches(columns=[text_field], batch_size=256)
+        for batch in batches:
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):
+                    raise ValueError(f"{path} row {row}: the {text_field!r} value is {text!r}")
+                yield text
+                row += 1
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(
+            f"{path}: not a readable Parquet file after row {row} ({err}); "
+            "the file is truncated or corrupt: download it again"
+        ) from err
 
 
 def iter_documents(

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Literal
 
 import jax
@@ -41,6 +42,7 @@ KINDS: tuple[str, ...] = ("nll", "sequence", "mse")
 NLL_FLOOR = 1e-30
 # Tolerance when checking that host-provided weights lie on the simplex.
 SIMPLEX_TOLERANCE = 1e-4
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_kind(kind: str) -> str:
@@ -69,11 +71,16 @@ def prepare_examples(
         float32 device arrays; `target` is 0 and `length` is 1 where the kind does not use them.
 
     Raises:
-        ValueError: on a wrong shape, k < 2, no examples, non-finite values, probabilities outside
-            [0, 1] (nll), positive log-probabilities (sequence), or missing/extra targets/lengths.
+        ValueError: on a wrong shape, k < 2, no examples, non-finite values, values that overflow
+            float32, an all-zero matrix, probabilities outside [0, 1] (nll), positive
+            log-probabilities (sequence), or missing/extra targets/lengths.
+
+    Warns:
+        UserWarning: when some rows (examples, except for mse) are all 0, or, with more than one
+            example, some columns (sources).
 
     Privacy: the arrays are the sensitive input of the mixture stage; this function only checks
-    them (its error messages name the problem, not the values).
+    them; its errors and warnings are for the data holder and are not part of any release.
     """
     kind = check_kind(kind)
     preds = np.asarray(preds, dtype=np.float64)
@@ -98,11 +105,67 @@ def prepare_examples(
     length = _optional_vector(lengths, "lengths", n, needed=kind == "sequence", kind=kind)
     if length is not None and np.any(length <= 0):
         raise ValueError("lengths must be > 0 (token counts).")
+    _check_magnitude(preds, target, kind)
+    _check_zeros(preds, kind)
     return {
         "preds": jnp.asarray(preds, jnp.float32),
         "target": jnp.asarray(np.zeros(n) if target is None else target, jnp.float32),
         "length": jnp.asarray(np.ones(n) if length is None else length, jnp.float32),
     }
+
+
+def _check_magnitude(preds: np.ndarray, target: np.ndarray | None, kind: str) -> None:
+    """Losses and gradients are float32 on the device: refuse values that overflow there."""
+    if np.max(np.abs(preds)) > _FLOAT32_MAX:
+        raise ValueError(
+            f"{kind} preds exceed the float32 range (|value| > {_FLOAT32_MAX:.3g}) and would "
+            "become inf on the device; rescale the proxy outputs."
+        )
+    if kind == "mse":
+        # |∇ Loss_j| <= 2·(max|P| + max|y|)·max|P|·√k and Loss_j <= (max|P| + max|y|)².
+        scale = np.max(np.abs(preds)) + np.max(np.abs(target))
+        if 2.0 * scale * scale * np.sqrt(preds.shape[1]) > _FLOAT32_MAX:
+            raise ValueError(
+                "mse preds and targets are so large that squared errors and their gradients "
+                "overflow float32 (every gradient would be zeroed and λ would follow the noise "
+                "alone); rescale them, e.g. standardise the targets."
+            )
+
+
+def _check_zeros(preds: np.ndarray, kind: str) -> None:
+    """All-zero proxy outputs carry no signal about λ: an error for the whole matrix, a warning
+    for rows (examples) and columns (sources)."""
+    zero = preds == 0
+    if zero.all():
+        meaning = {
+            "nll": "every source gives probability 0 to every label, so the loss is infinite "
+            "(floored) and has no gradient",
+            "sequence": "every source gives probability 1 to every sequence, so the loss is 0 "
+            "for every λ",
+            "mse": "every source predicts 0, so the loss is the same for every λ",
+        }[kind]
+        raise ValueError(
+            f"every {kind} pred is 0: {meaning}; λ would come from the noise alone. Check that "
+            "the proxy outputs were computed (and cached) correctly."
+        )
+    zero_columns = np.flatnonzero(zero.all(axis=0))
+    if len(zero_columns) and len(preds) > 1:  # (one example: a 0 entry is no pattern)
+        warnings.warn(
+            f"proxy output column(s) {zero_columns.tolist()} (source(s)) are all 0 for {kind!r}; "
+            "check that those proxies were computed correctly.",
+            stacklevel=3,
+        )
+    zero_rows = int(zero.all(axis=1).sum())
+    if zero_rows and kind != "mse":
+        effect = (
+            "probability 0 under every source: they add no gradient"
+            if kind == "nll"
+            else "log-probability 0 (probability 1) under every source"
+        )
+        warnings.warn(
+            f"{zero_rows} of {len(preds)} examples have {effect}; check the proxy outputs.",
+            stacklevel=3,
+        )
 
 
 def _optional_vector(

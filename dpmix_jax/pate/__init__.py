@@ -1,12 +1,22 @@
 """Hot PATE: private aggregation of teacher distributions with coordinated sampling.
 
 Modules: `samplers` (coordinated / independent vote histograms), `aggregators` (TARGMAX, TWS and
-their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent RDP), `metrics`
-(coverage, support, yield, margins), `generation` (private decoding), `teachers` (in-context GPT-2
-teachers; imported on demand since it loads the model code).
+their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent RDP),
+`smooth_sensitivity` (private release of the data-dependent ε), `diversity` (the (τ, β, γ)
+diversity-preservation guarantee measured), `metrics` (coverage, support, yield, margins),
+`generation` (private decoding), `teachers` (in-context GPT-2 teachers; imported on demand since
+it loads the model code).
 """
 
-from dpmix_jax.pate import accounting, aggregators, generation, metrics, samplers
+from dpmix_jax.pate import (
+    accounting,
+    aggregators,
+    diversity,
+    generation,
+    metrics,
+    samplers,
+    smooth_sensitivity,
+)
 from dpmix_jax.pate.aggregators import (
     FAIL,
     confident_gnmax,
@@ -28,6 +38,7 @@ __all__ = [
     "aggregators",
     "confident_gnmax",
     "coordinated_histograms",
+    "diversity",
     "dpargmax_laplace",
     "dpws",
     "generate",
@@ -35,6 +46,7 @@ __all__ = [
     "independent_histograms",
     "metrics",
     "samplers",
+    "smooth_sensitivity",
     "targmax",
     "tws",
     "tws_probabilities",

@@ -11,8 +11,8 @@ noise multiplier is (noise standard deviation or Laplace scale) / (sensitivity o
 * Data-dependent (confident-GNMax only; Papernot et al. 2018, "Scalable private learning with
   PATE", Theorem 6, Propositions 7, 8 and 10): RDP that depends on the actual histograms.
   Unanswered queries pay only the threshold check, and peaked histograms pay little. The value is
-  itself a function of the sensitive data: it is reported for analysis, not released privately
-  (the paper releases it through smooth sensitivity, which is not implemented here).
+  itself a function of the sensitive data: it is reported for analysis here; its private release
+  (smooth sensitivity, as in the paper) is `dpmix_jax.pate.smooth_sensitivity`.
 
 Example:
     >>> round(epsilon_of_steps(dpargmax_laplace_event(0.1), steps=10, delta=1e-6), 2)
@@ -223,7 +223,8 @@ class GNMaxReport:
     Attributes:
         epsilon_data_independent: dp-accounting (PLD) ε of every query charged in full.
         epsilon_data_independent_rdp: the same, by the RDP conversion below (for comparison).
-        epsilon_data_dependent: data-dependent RDP ε (not itself private; see module docstring).
+        epsilon_data_dependent: data-dependent RDP ε (not itself private; a private release is
+            `pate.smooth_sensitivity.release_data_dependent_epsilon`).
         num_queries, num_answered: how many queries ran, and how many passed the threshold check.
         delta: the δ of all three ε values.
     """
@@ -260,7 +261,7 @@ def confident_gnmax_report(
 
     Privacy:
         The data-dependent ε is a function of the sensitive histograms; it is reported for
-        analysis and is not a private release.
+        analysis and is not a private release (see `pate.smooth_sensitivity` for one).
     """
     histograms = np.asarray(histograms)
     answered = np.asarray(answered, dtype=bool)

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmix_jax.pate import accounting, aggregators, samplers
+from dpmix_jax.pate import accounting, aggregators, samplers, smooth_sensitivity
 from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import randomness
 
 __all__ = [
     "GenerationConfig",
@@ -32,6 +33,7 @@ __all__ = [
     "Teachers",
     "generate",
     "make_step",
+    "prepare_sampler",
 ]
 
 
@@ -74,6 +76,10 @@ class GenerationConfig:
         eos_id: end-of-sequence token (None: none).
         stop_sequences: decoding stops once the output ends with one of these token sequences.
         report_delta: the δ at which the run's ε is reported.
+        release_order: for confident-GNMax, the Rényi order λ at which the sequence's
+            data-dependent ε is released privately by smooth sensitivity (None: not released);
+            fix it, and `release_noise_multiplier`, before looking at the data.
+        release_noise_multiplier: σ_s of that release (noise = σ_s · smooth sensitivity).
     """
 
     sampler: Literal["coordinated", "independent"] = "coordinated"
@@ -91,6 +97,8 @@ class GenerationConfig:
     eos_id: int | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     report_delta: float = 1e-5
+    release_order: float | None = None
+    release_noise_multiplier: float = 1.0
 
     def __post_init__(self):
         if self.sampler not in ("coordinated", "independent"):
@@ -116,6 +124,12 @@ class GenerationConfig:
         privacy.check_steps(self.max_new_tokens, "max_new_tokens")
         if self.top_k is not None and self.sampler != "coordinated":
             raise ValueError("top_k applies to the coordinated sampler only.")
+        if self.release_order is not None:
+            if self.aggregator != "confident_gnmax":
+                raise ValueError("release_order applies to the confident_gnmax aggregator only.")
+            if not self.release_order > 1:
+                raise ValueError(f"release_order must be > 1, got {self.release_order!r}.")
+        privacy.check_positive(self.release_noise_multiplier, "release_noise_multiplier")
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop_sequences must not contain an empty sequence.")
 
@@ -143,6 +157,10 @@ class GenerationResult:
         delta: its δ (`report_delta` plus the δ charged per DPWS call).
         gnmax: for confident-GNMax, both PATE 2018 analyses of this sequence's queries
             (the data-dependent one is not itself private).
+        released: with `release_order`, the sequence's data-dependent ε released privately
+            (smooth sensitivity; its `epsilon` is publishable and includes its own cost).
+        seeded: True when the caller gave the key (reproducible by anyone who knows it, so not
+            private against them: `privacy.SEEDED_NOTE`); False for a secret key drawn here.
     """
 
     tokens: list[int]
@@ -153,7 +171,9 @@ class GenerationResult:
     ledger: accounting.PateLedger
     epsilon: float
     delta: float
+    seeded: bool
     gnmax: accounting.GNMaxReport | None = None
+    released: smooth_sensitivity.SmoothRelease | None = None
 
     @property
     def fallback_fraction(self) -> float:
@@ -167,17 +187,14 @@ class GenerationResult:
 
 
 @functools.lru_cache(maxsize=32)
-def make_step(config: GenerationConfig) -> Callable[[jax.Array, jax.Array], tuple]:
-    """`(key, logits (n, V)) -> (token or FAIL, histogram (V,))` for one query (jitted parts).
+def make_step(config: GenerationConfig) -> Callable[[jax.Array, samplers.Draw], tuple]:
+    """`(key, draw) -> (token or FAIL, histogram (V,))` for one query, where
+    `draw = prepare_sampler(config, logits)` is set up once per decoding step and shared by
+    its retries (jitted parts).
 
     Privacy:
         The histogram it returns is sensitive (used only for the data-dependent analysis).
     """
-    sample = (
-        functools.partial(samplers.coordinated_histograms, top_k=config.top_k)
-        if config.sampler == "coordinated"
-        else samplers.independent_histograms
-    )
     if config.aggregator == "dpws":
         aggregate = functools.partial(
             aggregators.dpws,
@@ -200,16 +217,29 @@ def make_step(config: GenerationConfig) -> Callable[[jax.Array, jax.Array], tupl
 
     aggregate = jax.jit(aggregate)
 
-    def step(key, logits):
+    def step(key, draw):
         key_hist, key_agg = jax.random.split(key)
-        histogram = sample(key_hist, logits, 1, temperature=config.temperature)[0]
+        histogram = draw(key_hist, 1)[0]
         return aggregate(key_agg, histogram), histogram
 
     return step
 
 
+def prepare_sampler(config: GenerationConfig, logits: jax.Array) -> samplers.Draw:
+    """The configured histogram sampler with its per-logits set-up done (once per step).
+
+    Privacy:
+        Reads the teachers' logits (sensitive); its histograms go only to the DP aggregator.
+    """
+    if config.sampler == "coordinated":
+        return samplers.coordinated_sampler(
+            logits, temperature=config.temperature, top_k=config.top_k
+        )
+    return samplers.independent_sampler(logits, temperature=config.temperature)
+
+
 def generate(
-    key: jax.Array,
+    key: jax.Array | None,
     teachers: Teachers,
     prompt: Sequence[int],
     config: GenerationConfig,
@@ -220,7 +250,9 @@ def generate(
     """Decodes one sequence privately from the teacher ensemble.
 
     Args:
-        key: secret PRNG key (sampler and aggregator noise); never log it.
+        key: PRNG key of the sampler and the aggregator noise; None draws a secret one from
+            the operating system. A key from a known seed makes the output reproducible and not
+            private against anyone who knows the seed. Never log it.
         teachers: the ensemble (`Teachers` protocol).
         prompt: the public prefix shared by all teachers (may be empty).
         config: decoding and privacy settings.
@@ -237,6 +269,8 @@ def generate(
     if not isinstance(teachers, Teachers):
         raise ValueError("teachers must implement the Teachers protocol.")
     ledger = accounting.PateLedger() if ledger is None else ledger
+    seeded = key is not None
+    key = key if seeded else randomness.prng_key(randomness.secret_seed())
     step = make_step(config)
     event, call_delta = config.charge()
     prefix = [int(t) for t in prompt]
@@ -246,11 +280,11 @@ def generate(
     num_queries = num_failed = 0
     stop_reason = "max_new_tokens"
     while len(tokens) < config.max_new_tokens:
-        logits = teachers(prefix + tokens)
+        draw = prepare_sampler(config, teachers(prefix + tokens))  # shared by the retries
         token = aggregators.FAIL
         for _ in range(config.max_retries + 1):
             key, sub = jax.random.split(key)
-            token, histogram = step(sub, logits)
+            token, histogram = step(sub, draw)
             token = int(token)
             ledger.record(event, delta=call_delta)
             num_queries += 1
@@ -277,7 +311,7 @@ def generate(
         if any(tuple(tokens[-len(s) :]) == tuple(s) for s in config.stop_sequences):
             stop_reason = "stop_sequence"
             break
-    gnmax = None
+    gnmax = released = None
     if histograms:
         gnmax = accounting.confident_gnmax_report(
             np.stack(histograms),
@@ -286,6 +320,19 @@ def generate(
             sigma1=config.sigma1,
             sigma2=config.sigma2,
             delta=config.report_delta,
+        )
+    if histograms and config.release_order is not None:
+        words = np.asarray(jax.random.bits(jax.random.fold_in(key, 1), (4,), jnp.uint32))
+        released = smooth_sensitivity.release_data_dependent_epsilon(
+            np.stack(histograms),
+            np.array(answered),
+            threshold=config.threshold,
+            sigma1=config.sigma1,
+            sigma2=config.sigma2,
+            order=config.release_order,
+            noise_multiplier=config.release_noise_multiplier,
+            delta=config.report_delta,
+            seed=sum(int(w) << (32 * i) for i, w in enumerate(words)),  # from the run's key
         )
     budget = ledger.budget(config.report_delta)
     return GenerationResult(
@@ -297,5 +344,7 @@ def generate(
         ledger=ledger,
         epsilon=budget.epsilon,
         delta=budget.delta,
+        seeded=seeded,
         gnmax=gnmax,
+        released=released,
     )

@@ -1,6 +1,7 @@
 """Teacher ensembles over our own models, and synthetic ensembles for tests.
 
-* `partition_records`: a data-independent partition of sensitive records into n disjoint parts.
+* `partition_records`: a partition of sensitive records into n disjoint parts in which each
+  record's part is a keyed hash of its own id (`privacy.assign_parts`).
 * `build_prompts`: one in-context prompt per teacher from its own part only.
 * `InContextTeachers`: n prompts over one Flax GPT-2; the prompts (plus the shared generated
   prefix) are batched, right-padded to a common bucketed length, and each teacher's logits are read
@@ -22,26 +23,42 @@ import numpy as np
 from flax import nnx
 
 from dpmix_jax.models.gpt2 import GPT2
+from dpmix_jax.privacy.parts import UnitId, assign_parts
 
 __all__ = ["InContextTeachers", "TableTeachers", "build_prompts", "partition_records"]
 
 
-def partition_records(num_records: int, num_teachers: int, *, seed: int) -> list[np.ndarray]:
-    """A random partition of record indices `0..num_records-1` into `num_teachers` disjoint parts.
+def partition_records(
+    record_ids: Sequence[UnitId] | np.ndarray,
+    num_teachers: int,
+    *,
+    key: bytes | int | None = None,
+) -> list[np.ndarray]:
+    """The positions (into `record_ids`) of each teacher's records: `num_teachers` disjoint parts.
 
-    The partition depends only on (num_records, num_teachers, seed), never on record contents,
-    so one record always affects exactly one teacher. Parts differ in size by at most one.
+    Record r goes to teacher `assign_parts(record_ids, [1/n] * n, key=key)[r]`: part sizes are
+    equal in expectation (Binomial, not exactly equal). Positions within a part are ascending.
+
+    Args:
+        record_ids: a stable identifier per record (its id in the source data, or its content);
+            equal ids share a teacher.
+        num_teachers: n >= 1.
+        key: the assignment key; None draws a secret one (`privacy.assign_parts`).
 
     Privacy:
-        Data-independent by construction; the seed need not be secret.
+        A record's teacher depends on its own id and the key alone, so adding or removing one
+        record changes one teacher's data and no other's. With a secret key nobody can tell in
+        advance which teacher a record lands with.
     """
-    if num_teachers < 1 or num_records < num_teachers:
+    if isinstance(num_teachers, bool) or not isinstance(num_teachers, int) or num_teachers < 1:
+        raise ValueError(f"num_teachers must be an integer >= 1, got {num_teachers!r}.")
+    if len(record_ids) < num_teachers:
         raise ValueError(
-            f"need 1 <= num_teachers <= num_records, got {num_teachers} teachers "
-            f"for {num_records} records."
+            f"need at least as many records as teachers, got {num_teachers} teachers "
+            f"for {len(record_ids)} records."
         )
-    order = np.random.default_rng(seed).permutation(num_records)
-    return np.array_split(order, num_teachers)
+    parts = assign_parts(record_ids, [1.0 / num_teachers] * num_teachers, key=key)
+    return [np.flatnonzero(parts == teacher) for teacher in range(num_teachers)]
 
 
 def build_prompts(
@@ -51,7 +68,8 @@ def build_prompts(
     separator: Sequence[int],
     records_per_teacher: int,
 ) -> list[list[int]]:
-    """Teacher i's prompt: its first `records_per_teacher` records joined and ended by `separator`.
+    """Teacher i's prompt: its first `records_per_teacher` records (all of them when its part is
+    smaller) joined and ended by `separator`.
 
     Privacy:
         Teacher i's prompt reads only the records in `parts[i]`; with a disjoint, data-independent
@@ -61,11 +79,6 @@ def build_prompts(
         raise ValueError(f"records_per_teacher must be >= 1, got {records_per_teacher}.")
     prompts = []
     for part in parts:
-        if len(part) < records_per_teacher:
-            raise ValueError(
-                f"a part has {len(part)} records, fewer than records_per_teacher = "
-                f"{records_per_teacher}."
-            )
         prompt: list[int] = []
         for index in part[:records_per_teacher]:
             prompt.extend(int(t) for t in records[int(index)])

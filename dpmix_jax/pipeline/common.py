@@ -4,25 +4,30 @@ A pipeline run is one (method, ε, seed) of one experiment. Its stages (split, p
 pretraining, fine-tuning, evaluation) store their results under a run directory; a rerun finds
 them there and skips the work, so a killed pipeline resumes where it stopped and reports the same
 budget (training stages resume mid-run from their orbax checkpoints, see `train.checkpoint`).
+Stored stages are keyed by everything that determines them: they live under
+`root/<fingerprint of data set, full config, seed mode and package version>/seed<N>/` and are
+named by stage, method and exact ε, so other settings never read them back.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import pathlib
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import jax
 import numpy as np
 
-from dpmix_jax.data.sources import group_disjoint_split, random_split
+from dpmix_jax import parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import accounting, assign_parts, randomness
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, fit
 
 Method = Literal["dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin"]
@@ -107,6 +112,10 @@ class RunResult:
         composition: how the stages' budgets were combined.
         private: False when some choice used sensitive data without accounting (random search's
             selection, non-private MixMin's λ).
+        seeded: True when the run's seed drove its private randomness (split, noise, sampling):
+            reproducible, and not private against anyone who knows the seed
+            (`privacy.SEEDED_NOTE`). False: the randomness was a secret from the operating
+            system and `seed` only numbers the repetition.
         extra: method-specific details (validation scores of candidates, σ, ...).
     """
 
@@ -120,6 +129,7 @@ class RunResult:
     stages: Mapping[str, accounting.PrivacyBudget]
     composition: Composition
     private: bool
+    seeded: bool
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -139,6 +149,7 @@ class RunResult:
             },
             composition=data["composition"],
             private=data["private"],
+            seeded=data.get("noise_seeded", True),  # results stored before secret randomness
             extra=data["extra"],
         )
 
@@ -155,6 +166,7 @@ class RunResult:
             "stage_epsilons": {k: v.epsilon for k, v in self.stages.items()},
             "composition": self.composition,
             "private": self.private,
+            "noise_seeded": self.seeded,
             "extra": dict(self.extra),
         }
 
@@ -190,25 +202,27 @@ def end_to_end_budget(
 
 
 def split_mixture(
-    num_examples: int, mix_fraction: float, *, seed: int, group_ids: np.ndarray | None = None
+    unit_ids: Sequence[Any] | np.ndarray, mix_fraction: float, *, key: bytes | int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint (D_mix, D_ft) index arrays: a fraction ρ for the mixture, the rest to fine-tune.
+    """Disjoint (D_mix, D_ft) row positions: each unit's rows go to D_mix with probability ρ.
 
-    With `group_ids` (users) the split is along group boundaries: a user is in one part only.
+    Args:
+        unit_ids: per row, the stable id of its privacy unit (the example's own id, or its
+            user's or patient's id: rows of one unit always land in the same part).
+        mix_fraction: ρ.
+        key: the part-assignment key (`privacy.assign_parts`).
 
-    Privacy: the split is data-independent (a seeded permutation of positions or users), so each
-    part can be spent on separately and the budgets compose in parallel.
+    Privacy: a unit's part is a keyed hash of its id alone (`privacy.assign_parts`), never a
+    function of the other units, so adding or removing a unit moves no other unit and the two
+    parts' budgets compose in parallel under add/remove.
     """
     if not 0 < mix_fraction < 1:
         raise ValueError(f"mix_fraction (ρ) must be in (0, 1), got {mix_fraction!r}.")
-    fractions = (mix_fraction, 1 - mix_fraction)
-    if group_ids is None:
-        mix, ft = random_split(num_examples, fractions, seed=seed)
-    else:
-        mix, ft = group_disjoint_split(np.asarray(group_ids), fractions, seed=seed)
+    parts = assign_parts(unit_ids, (mix_fraction, 1 - mix_fraction), key=key)
+    mix, ft = np.flatnonzero(parts == 0), np.flatnonzero(parts == 1)
     if len(mix) == 0 or len(ft) == 0:
         raise ValueError(
-            f"ρ = {mix_fraction} leaves an empty part of {num_examples} examples; change ρ."
+            f"ρ = {mix_fraction} left a part of the {len(parts)} rows empty; change ρ."
         )
     return mix, ft
 
@@ -236,6 +250,48 @@ def weights_key(weights: np.ndarray | None) -> str:
     return hashlib.sha256(rounded.tobytes()).hexdigest()[:12]
 
 
+def epsilon_name(epsilon: float) -> str:
+    """ε exactly as it is (`repr`), for stage names: 1.0000004 and 1 are different runs."""
+    return repr(float(epsilon))
+
+
+def canonical_json(value: Any, **kwargs: Any) -> str:
+    """`value` as JSON with sorted keys: dataclasses as their fields plus their type's name,
+    floats exact (repr), NumPy values and dtypes as lists and strings."""
+    return json.dumps(_canonical(value), sort_keys=True, **kwargs)
+
+
+def fingerprint(value: Any) -> str:
+    """SHA-256 (hex) of `canonical_json(value)`."""
+    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"__type__": type(value).__qualname__, **fields}
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, np.ndarray | np.generic):
+        return _canonical(value.tolist())
+    if isinstance(value, np.dtype | type):
+        return str(value)
+    if isinstance(value, pathlib.PurePath):
+        return str(value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot fingerprint a {type(value).__name__} setting: {value!r}")
+
+
+def _package_version() -> str | None:
+    try:
+        return importlib.metadata.version("dpmix_jax")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 class StageStore:
     """JSON results of pipeline stages under one directory; computed once, then read back."""
 
@@ -252,13 +308,17 @@ class StageStore:
     def json(self, name: str, compute: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
         """The stored result `name`, or `compute()` written atomically and returned."""
         target = self.root / f"{name}.json"
-        if target.exists():
+        if parallel.agree(target.exists()):  # one decision for all processes of a run
             return json.loads(target.read_text())
         result = dict(compute())
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(result, indent=1, default=_json_default))
-        tmp.replace(target)
+
+        def write():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(result, indent=1, default=_json_default))
+            tmp.replace(target)
+
+        parallel.on_main_process(write)  # a multi-process run: process 0 writes, all wait
         return json.loads(target.read_text())
 
 
@@ -288,6 +348,19 @@ def budget_from_json(data: Mapping[str, float]) -> accounting.PrivacyBudget:
     return accounting.PrivacyBudget(float(data["epsilon"]), float(data["delta"]))
 
 
+class ProgressListener(Protocol):
+    """What a progress display hears from a pipeline (see `MixturePipeline.add_listener`)."""
+
+    def stage(self, name: str) -> None:
+        """A stage (split, proxy, mixture, pretrain, finetune, ...) starts computing."""
+
+    def step(self, done: int, total: int) -> None:
+        """A training step of the current stage finished."""
+
+    def reused(self, name: str) -> None:
+        """A finished run was read back from the stage store instead of computed."""
+
+
 class MixturePipeline(abc.ABC):
     """DP-MixMin and its baselines through one set of stages; subclasses provide the stages.
 
@@ -307,6 +380,7 @@ class MixturePipeline(abc.ABC):
         root: str | os.PathLike,
         *,
         on_stage: Callable[[str], None] | None = None,
+        reproducible: bool = False,
     ):
         """Args:
         task: the data.
@@ -314,11 +388,34 @@ class MixturePipeline(abc.ABC):
         root: directory of the stage store (one sub-directory per seed).
         on_stage: called with a stage name whenever a stage is computed (not when it is
             loaded); for progress reports and tests.
+        reproducible: derive the private randomness (split key, noise keys, Poisson sampling)
+            from each run's seed, so runs reproduce exactly but are not private against anyone
+            who knows the seed. False (default): a run's seed only numbers the repetition and
+            its private randomness comes from a secret drawn from the operating system.
         """
         self.task = task
         self.config = config
         self.root = pathlib.Path(root)
-        self._on_stage = on_stage or (lambda name: None)
+        self._stage_callback = on_stage
+        self._listeners: list[ProgressListener] = []
+        self.reproducible = bool(reproducible)
+
+    def add_listener(self, listener: ProgressListener) -> None:
+        """Reports stages, training steps and reused runs to `listener` (a progress bar)."""
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: ProgressListener) -> None:
+        self._listeners.remove(listener)
+
+    def _on_stage(self, name: str) -> None:
+        if self._stage_callback is not None:
+            self._stage_callback(name)
+        for listener in self._listeners:
+            listener.stage(name)
+
+    def _on_step(self, done: int, total: int) -> None:
+        for listener in self._listeners:
+            listener.step(done, total)
 
     @property
     @abc.abstractmethod
@@ -335,8 +432,10 @@ class MixturePipeline(abc.ABC):
         """The downstream model pretrained on λ (fresh initialisation for None)."""
 
     @abc.abstractmethod
-    def split_groups(self) -> np.ndarray | None:
-        """Per train row, the unit that D_mix and D_ft must not share (patient, user), or None."""
+    def split_unit_ids(self) -> Sequence[Any] | np.ndarray:
+        """Per train row, the stable id (int, str or bytes) of the unit that D_mix and D_ft must
+        not share: the patient or user where rows are grouped, else the row's own identity in the
+        source data (never its position after filtering or shuffling)."""
 
     @abc.abstractmethod
     def finetune_trainer(
@@ -352,15 +451,111 @@ class MixturePipeline(abc.ABC):
     def utility(self, model: Any, split: str) -> float:
         """The metric on the "val" or "test" split (evaluation only, not released)."""
 
+    def dataset_identity(self) -> dict[str, Any]:
+        """What identifies the data: the task's name, k and every split's size (subclasses may
+        add more). Part of `settings_fingerprint`."""
+        identity: dict[str, Any] = {"pipeline": type(self).__name__, "k": self.k}
+        for attribute in ("name", "source_names"):
+            identity[attribute] = getattr(self.task, attribute, None)
+        for split in ("train", "val", "test", "public"):
+            part = getattr(self.task, split, None)
+            identity[f"{split}_size"] = None if part is None else len(part)
+        domains = getattr(self.task, "public_domains", None)
+        if domains is not None:
+            identity["public_domain_sizes"] = {name: len(docs) for name, docs in domains.items()}
+        return identity
+
+    def settings(self) -> dict[str, Any]:
+        """Everything besides (method, ε, seed) that determines a stored stage: the data set's
+        identity, the full config, whether the randomness is seeded, and the package version.
+
+        The composition is left out: every stage that depends on it has it in its name, so the
+        stages that do not (tokenizer, proxies, pretraining) are shared by both compositions.
+        """
+        config = _canonical(self.config)
+        config.pop("composition")
+        return {
+            "dataset": self.dataset_identity(),
+            "config": config,
+            "reproducible": self.reproducible,
+            "version": _package_version(),
+        }
+
+    @functools.cached_property
+    def settings_fingerprint(self) -> str:
+        """A SHA-256 (hex) of `settings()`: names the folder of this pipeline's stage store."""
+        return fingerprint(self.settings())
+
+    def settings_folder(self) -> pathlib.Path:
+        """`root/<settings fingerprint>/`: where everything stored under these settings lives,
+        described by the `settings.json` in it."""
+        folder = self.root / self.settings_fingerprint[:16]
+        description = folder / "settings.json"
+        if not parallel.agree(description.exists()):
+
+            def write():
+                folder.mkdir(parents=True, exist_ok=True)
+                tmp = description.with_suffix(".json.tmp")
+                tmp.write_text(canonical_json(self.settings(), indent=1))
+                tmp.replace(description)
+
+            parallel.on_main_process(write)
+        return folder
+
     def _store(self, seed: int) -> StageStore:
-        return StageStore(self.root / f"seed{seed}")
+        """The stage store of run `seed` under these settings: `settings_folder()/seed<seed>`.
+
+        Its stages are named by stage, method and exact ε, so a stored result is only ever read
+        back by a run with the same data set, config (δ included), seed mode and package
+        version; other settings get a folder of their own.
+        """
+        return StageStore(self.settings_folder() / f"seed{seed}")
+
+    def stage_folder(self, seed: int) -> pathlib.Path:
+        """The folder of run `seed`'s stored stages (see `_store`)."""
+        return self._store(seed).root
+
+    def private_seed(self, seed: int, *names: object) -> int:
+        """The seed of one named private random stream (split key, noise key, Poisson sampler)
+        of run `seed`.
+
+        With `reproducible` it is `derived_seed(seed, *names)`. Otherwise it derives (128 bits)
+        from the run's secret, drawn once from the operating system and kept in the stage store
+        as `secret_randomness.json` (owner-only), so a resumed run continues its own streams.
+
+        Privacy: the secret file is as sensitive as the data (with it the noise can be
+        recomputed); it is never logged or copied into results.
+        """
+        if self.reproducible:
+            return derived_seed(seed, *names)
+        path = self._store(seed).root / "secret_randomness.json"
+        secret = ""
+        if parallel.is_main_process():
+            if not path.exists():
+                tmp = path.with_suffix(".tmp")
+                tmp.unlink(missing_ok=True)
+                content = {
+                    "secret": f"{randomness.secret_seed():032x}",
+                    "note": "SENSITIVE: the root of this run's noise, sampling and split; never "
+                    "share.",
+                }
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(content, f)
+                tmp.replace(path)
+            secret = json.loads(path.read_text())["secret"]
+        # A multi-process run: every process derives its streams from process 0's secret.
+        secret = f"{parallel.agree_int(int(secret or '0', 16)):032x}"
+        text = "/".join(str(n) for n in (secret, *names))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:16], "little")
 
     def split(self, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Disjoint (D_mix, D_ft) positions of the sensitive train split, disjoint in the units of
-        `split_groups`; with sequential composition both are the whole split.
+        `split_unit_ids`; with sequential composition both are the whole split.
 
-        Privacy: a seeded permutation of rows (or units), independent of their content, so the two
-        parts' stages compose in parallel under the level's neighbouring relation.
+        Privacy: each unit's part is a keyed hash of its id (`split_mixture`), the key a private
+        stream of the run (`private_seed`), so the two parts' stages compose in parallel under
+        add/remove at the level's unit.
         """
         if self.config.composition == "sequential":
             everything = np.arange(len(self.task.train))
@@ -369,10 +564,9 @@ class MixturePipeline(abc.ABC):
         def compute():
             self._on_stage("split")
             mix, ft = split_mixture(
-                len(self.task.train),
+                self.split_unit_ids(),
                 self.config.mix_fraction,
-                seed=seed,
-                group_ids=self.split_groups(),
+                key=self.private_seed(seed, "split"),
             )
             return {"mix": mix, "ft": ft}
 
@@ -386,20 +580,20 @@ class MixturePipeline(abc.ABC):
 
         Privacy: DP-SGD at (ε, δ) on the chosen part (`finetune_trainer`); the returned budget is
         the ledger's for the steps executed (restored, not re-spent, on resume). The noise key is
-        distinct for every (init, part, ε) and derived from the secret run seed.
+        distinct for every (init, part, ε), a private stream of the run (`private_seed`).
         """
         _, ft = self.split(seed)
         rows = ft if part == "ft" else np.arange(len(self.task.train))
         part = f"{part}_{self.config.composition}" if part == "ft" else part
         config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
-        name = f"finetune_{init_name}_{part}_eps{epsilon:g}"
+        name = f"finetune_{init_name}_{part}_eps{epsilon_name(epsilon)}"
         checkpointer = Checkpointer(self._store(seed).path(name))
         if checkpointer.latest_step() != config.steps:
             self._on_stage("finetune")
-        noise_key = jax.random.key(derived_seed(seed, name))
+        noise_key = randomness.prng_key(self.private_seed(seed, name))
         trainer, data = self.finetune_trainer(init, config, rows, noise_key)
-        rng = np.random.default_rng(derived_seed(seed, name, "sampler"))
-        result = fit(trainer, data, rng=rng, checkpointer=checkpointer)
+        rng = np.random.default_rng(self.private_seed(seed, name, "sampler"))
+        result = fit(trainer, data, rng=rng, checkpointer=checkpointer, on_step=self._on_step)
         checkpointer.close()
         return result.model, result.ledger.budget(self.config.delta, config.accountant)
 
@@ -424,7 +618,7 @@ class MixturePipeline(abc.ABC):
                 batch_size=settings.batch_size,
                 clip_norm=settings.clip_norm,
                 learning_rate=settings.learning_rate,
-                seed=derived_seed(seed, "mixture", f"{epsilon:g}"),
+                seed=self.private_seed(seed, "mixture", f"{epsilon:g}"),
                 solver=settings.solver,
                 shift=settings.shift,
                 accountant=settings.accountant,
@@ -438,7 +632,7 @@ class MixturePipeline(abc.ABC):
                 "ledger": result.ledger.state_dict(),
             }
 
-        name = f"mixture_{self.config.composition}_eps{epsilon:g}"
+        name = f"mixture_{self.config.composition}_eps{epsilon_name(epsilon)}"
         stored = self._store(seed).json(name, compute)
         return np.asarray(stored["weights"]), budget_from_json(stored["spent"])
 
@@ -467,8 +661,18 @@ class MixturePipeline(abc.ABC):
         accounting.check_epsilon(epsilon)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
-        name = f"run_{method}_{self.config.composition}_eps{epsilon:g}"
-        stored = self._store(seed).json(name, lambda: self._run(method, epsilon, seed).to_json())
+        name = f"run_{method}_{self.config.composition}_eps{epsilon_name(epsilon)}"
+        computed = False
+
+        def compute():
+            nonlocal computed
+            computed = True
+            return self._run(method, epsilon, seed).to_json()
+
+        stored = self._store(seed).json(name, compute)
+        if not computed:
+            for listener in self._listeners:
+                listener.reused(name)
         return RunResult.from_json(stored)
 
     def _run(self, method: str, epsilon: float, seed: int) -> RunResult:
@@ -504,6 +708,7 @@ class MixturePipeline(abc.ABC):
             stages=stages,
             composition=composition,
             private=method != "nonprivate_mixmin",
+            seeded=self.reproducible,
         )
 
     def _random_search(self, epsilon: float, seed: int) -> RunResult:
@@ -531,6 +736,7 @@ class MixturePipeline(abc.ABC):
             stages={"finetune": spent},
             composition=self.config.composition,
             private=False,
+            seeded=self.reproducible,
             extra={
                 "validation_utilities": [s[0] for s in scored],
                 "selected_validation_utility": val_utility,

@@ -2,27 +2,175 @@
 
 `results.json` has the shape
 `{"dataset", "metric", "higher_is_better", "runs": [{"method", "epsilon", "delta", "seed",
-"utility", "weights", ...}], "true_weights", "reference_weights"}`; every ε in it is the ε the
-accountants reported for what ran (`spent_epsilon`), beside the target (`epsilon`).
+"utility", "weights", "private", ...}], "true_weights", "methods", "source_names", "seconds",
+"reused_runs", "provenance"}`; every ε in it is the ε the accountants reported for what ran
+(`spent_epsilon`), beside the target (`epsilon`). `provenance` records the command, date, commit,
+package version and machine of the run, so that a number copied from it can be traced.
+`noise_seeded` (per run, and overall when any run was) is True when the seeds drove the private
+randomness: reproducible, and not private against anyone who knows the seed (`results.md` then
+says `privacy.SEEDED_NOTE`); otherwise the randomness was secret and `seed` only numbers the
+repetition.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import importlib.metadata
 import itertools
 import json
+import math
+import os
 import pathlib
+import shlex
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import tqdm
 
+from dpmix_jax import parallel
 from dpmix_jax.mixing import cosine_similarity, l1_distance
-from dpmix_jax.pipeline import common
+from dpmix_jax.pipeline import common, folders
+from dpmix_jax.privacy import SEEDED_NOTE
+from dpmix_jax.privacy.accounting import format_epsilon
+
+# Why a method is only a reference point (its runs carry `"private": false`).
+REFERENCE_NOTES = {
+    "random_search": "non-private selection",
+    "nonprivate_mixmin": "λ not private, only its fine-tuning is DP",
+}
+
+_STAGE_LABELS = {
+    "split": "split",
+    "tokenizer": "tokenizer",
+    "proxy": "proxy",
+    "proxy_outputs": "proxy outputs",
+    "mixture": "mixture (DP-MixMin)",
+    "nonprivate_mixture": "mixture (non-private)",
+    "pretrain": "pretrain on λ",
+    "finetune": "DP fine-tune",
+}
 
 
 class Pipeline(Protocol):
+    root: pathlib.Path
+
     def run(self, method: common.Method, epsilon: float, seed: int) -> common.RunResult: ...
+
+    def add_listener(self, listener: common.ProgressListener) -> None: ...
+
+    def remove_listener(self, listener: common.ProgressListener) -> None: ...
+
+
+class _GridProgress:
+    """One bar over the grid whose text names the run, its stage and the stage's step; also
+    counts the runs read back from the stage store (a resumed comparison)."""
+
+    def __init__(self, total: int, desc: str, *, enabled: bool, store: pathlib.Path):
+        self._bar = tqdm.tqdm(total=total, desc=desc, disable=not enabled, unit="run")
+        self._enabled = enabled
+        self._store = store
+        self._run = ""
+        self._stage = ""
+        self._shown = 0.0
+        self.reused_runs = 0
+        self._announced = 0
+
+    def start_run(self, label: str) -> None:
+        self._run, self._stage = label, ""
+        self._show()
+
+    def stage(self, name: str) -> None:
+        if not self._announced:
+            self._announce_reuse()
+        base = "pretrain" if name.startswith("pretrain") else name
+        # The first steps of a stage compile (several seconds on CPU) before they run.
+        self._stage = f"{_STAGE_LABELS.get(base, base)} (compiling)"
+        self._show()
+
+    def step(self, done: int, total: int) -> None:
+        compiled = self._stage.endswith(" (compiling)")
+        label = self._stage.removesuffix(" (compiling)").rsplit(" step ", 1)[0]
+        self._stage = f"{label} step {done}/{total}"
+        if compiled or done == total or time.monotonic() - self._shown > 0.25:
+            self._show()
+
+    def reused(self, name: str) -> None:
+        self.reused_runs += 1
+
+    def finish_run(self) -> None:
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._announce_reuse()
+        self._bar.close()
+
+    def _announce_reuse(self) -> None:
+        """Says how many finished runs were read back: when the first stage must be computed,
+        and at the end if more were read back since."""
+        if self.reused_runs > self._announced:
+            again = " in all" if self._announced else ""
+            self._announced = self.reused_runs
+            plural = "" if self.reused_runs == 1 else "s"
+            message = f"reused {self.reused_runs} finished stage{plural} from {self._store}{again}"
+            if self._enabled:
+                self._bar.write(message)
+            else:
+                print(message, flush=True)
+
+    def _show(self) -> None:
+        self._shown = time.monotonic()
+        text = f"{self._run}: {self._stage}" if self._stage else self._run
+        self._bar.set_postfix_str(text)
+
+
+def provenance() -> dict[str, Any]:
+    """Where a result comes from: command, UTC date, commit, package version and machine."""
+    import jax
+
+    try:
+        version = importlib.metadata.version("dpmix_jax")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {
+        "command": _command_line(),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+        "commit": _git_commit(),
+        "version": version,
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _command_line() -> str:
+    program = pathlib.Path(sys.argv[0])
+    if program.suffix == ".py" and program.parent.name == "experiments":
+        words = ["python", "-m", f"experiments.{program.stem}"]
+    else:
+        words = [program.name]
+    return shlex.join([*words, *sys.argv[1:]])
+
+
+def _git_commit() -> str | None:
+    """The checkout's commit (with "+modified" when tracked files differ), or None."""
+    here = pathlib.Path(__file__).parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return commit + ("+modified" if modified else "")
 
 
 def run_comparison(
@@ -43,15 +191,17 @@ def run_comparison(
     """Runs every (method, ε, seed), then writes `results.json`, `results.md` and plots.
 
     Args:
-        pipeline: anything with `run(method, epsilon, seed) -> RunResult` (stages stored, so an
-            interrupted comparison resumes).
+        pipeline: a `common.MixturePipeline` (stages stored, so an interrupted comparison
+            resumes; the runs it reads back are counted and reported).
         dataset, metric, higher_is_better: describe the utility in the outputs.
         methods, epsilons, seeds: the grid.
-        out_dir: where the outputs go.
+        out_dir: where the outputs go. It is locked for the run (`folders.folder_lock`: a
+            second run on it stops, naming this one's process), and it holds one data set's
+            results: a `results.json` of another data set there is an error, not overwritten.
         true_weights: the λ* that generated the sensitive data, when known.
         source_names: names of the k public sources (for the weights plot).
         reference_method: whose λ DP-MixMin's is compared with per seed (cosine, L1).
-        progress: show a progress bar.
+        progress: show a progress bar (run, stage and step).
 
     Returns:
         The `results.json` content.
@@ -62,27 +212,64 @@ def run_comparison(
     if not epsilons or not seeds or not methods:
         raise ValueError("methods, epsilons and seeds must be non-empty.")
     out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    grid = list(itertools.product(seeds, epsilons, methods))
-    runs = []
-    bar = tqdm.tqdm(grid, disable=not progress, desc=dataset)
-    for seed, epsilon, method in bar:
-        bar.set_postfix_str(f"{method} ε={epsilon:g} seed={seed}")
-        runs.append(pipeline.run(method, float(epsilon), int(seed)).to_json())
-    results = {
-        "dataset": dataset,
-        "metric": metric,
-        "higher_is_better": higher_is_better,
-        "runs": runs,
-        "true_weights": None if true_weights is None else np.asarray(true_weights).tolist(),
-        "methods": {m: common.METHOD_NOTES[m] for m in methods},
-        "source_names": None if source_names is None else list(source_names),
-    }
-    _add_weight_quality(results, reference_method)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    (out_dir / "results.md").write_text(markdown_table(results))
-    plot_results(results, out_dir)
-    return results
+    # One writer per folder; the stage store is locked too when it lives elsewhere. The
+    # processes of one multi-process run share the folders: process 0 holds the locks.
+    lock = folders.folder_lock if parallel.is_main_process() else contextlib.nullcontext
+    with lock(out_dir), lock(pipeline.root):
+        _check_one_dataset(out_dir, dataset)
+        grid = list(itertools.product(seeds, epsilons, methods))
+        start = time.perf_counter()
+        bar = _GridProgress(len(grid), dataset, enabled=progress, store=pipeline.root)
+        pipeline.add_listener(bar)
+        runs = []
+        try:
+            for seed, epsilon, method in grid:
+                bar.start_run(f"{method} ε={epsilon:g} seed={seed}")
+                runs.append(pipeline.run(method, float(epsilon), int(seed)).to_json())
+                bar.finish_run()
+        finally:
+            pipeline.remove_listener(bar)
+            bar.close()
+        results = {
+            "dataset": dataset,
+            "metric": metric,
+            "higher_is_better": higher_is_better,
+            "noise_seeded": any(run["noise_seeded"] for run in runs),
+            "runs": runs,
+            "true_weights": None if true_weights is None else np.asarray(true_weights).tolist(),
+            "methods": {m: common.METHOD_NOTES[m] for m in methods},
+            "source_names": None if source_names is None else list(source_names),
+            "seconds": time.perf_counter() - start,
+            "reused_runs": bar.reused_runs,
+            "provenance": provenance(),
+        }
+        _add_weight_quality(results, reference_method)
+
+        def write():
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+            (out_dir / "results.md").write_text(markdown_table(results))
+            plot_results(results, out_dir)
+
+        parallel.on_main_process(write)  # a multi-process run: process 0 writes the results
+        return results
+
+
+def _check_one_dataset(out_dir: pathlib.Path, dataset: str) -> None:
+    """Refuses to write a data set's results over another data set's `results.json`."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return
+    try:
+        previous = json.loads(path.read_text()).get("dataset")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ValueError(
+            f"{path} is not a results file ({err}); move it or choose another folder"
+        ) from err
+    if previous != dataset:
+        raise ValueError(
+            f"{out_dir} holds the results of {previous!r}; this run is on {dataset!r}. Give each "
+            "data set its own output folder"
+        )
 
 
 def _add_weight_quality(results: dict[str, Any], reference_method: str | None) -> None:
@@ -118,6 +305,7 @@ def summarize(results: dict[str, Any]) -> dict[tuple[str, float], dict[str, floa
             "std": float(utility.std()),
             "seeds": len(runs),
             "spent": max(r["spent_epsilon"] for r in runs),
+            "private": all(r.get("private", True) for r in runs),
         }
         for quality in ("cosine_true", "cosine_reference"):
             values = [
@@ -129,95 +317,230 @@ def summarize(results: dict[str, Any]) -> dict[tuple[str, float], dict[str, floa
     return table
 
 
-def markdown_table(results: dict[str, Any]) -> str:
-    """Utility (mean ± std over seeds) per method and ε, with spent ε and λ quality."""
+def _methods(table: dict[tuple[str, float], dict[str, float]]) -> list[str]:
+    return [m for m in common.METHODS if any(key[0] == m for key in table)]
+
+
+def method_label(method: str, table: dict[tuple[str, float], dict[str, float]]) -> str:
+    """The method's name; for a reference (non-private) method, why, and what it spends when
+    that is more than the target ε (Random Search: m fine-tunings, m·ε)."""
+    rows = {eps: row for (m, eps), row in table.items() if m == method}
+    if all(row["private"] for row in rows.values()):
+        return method
+    notes = [REFERENCE_NOTES.get(method, "not private")]
+    ratio = max(row["spent"] / eps for eps, row in rows.items())
+    if ratio > 1.05:
+        notes.append(f"spends {round(ratio, 1):g}ε")
+    return f"{method} ({', '.join(notes)})"
+
+
+def seed_count(results: dict[str, Any]) -> int:
+    return len({r["seed"] for r in results["runs"]})
+
+
+def utility_table(results: dict[str, Any]) -> str:
+    """Markdown: utility (mean ± std over seeds) per method (rows) and target ε (columns), with
+    as many decimals as four significant digits of the largest mean need."""
     table = summarize(results)
     epsilons = sorted({eps for _, eps in table})
-    methods = [m for m in common.METHODS if any(key[0] == m for key in table)]
-    arrow = "higher is better" if results["higher_is_better"] else "lower is better"
+    largest = max(abs(row["mean"]) for row in table.values()) or 1.0
+    decimals = max(0, 3 - math.floor(math.log10(largest)))
     lines = [
-        f"# {results['dataset']}: {results['metric']} ({arrow})",
-        "",
         "| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |",
         "|---|" + "---|" * len(epsilons),
     ]
-    for method in methods:
+    for method in _methods(table):
         cells = []
         for eps in epsilons:
             row = table.get((method, eps))
-            cells.append("" if row is None else f"{row['mean']:.4f} ± {row['std']:.4f}")
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    lines += ["", "Spent ε (max over seeds, from the accountants) and λ quality (mean cosine):", ""]
-    lines += [
+            cells.append(
+                "" if row is None else f"{row['mean']:.{decimals}f} ± {row['std']:.{decimals}f}"
+            )
+        lines.append(f"| {method_label(method, table)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def budget_table(results: dict[str, Any]) -> str:
+    """Markdown: target and spent ε (max over seeds) and mean λ quality per method and ε."""
+    table = summarize(results)
+    lines = [
         "| method | ε target | ε spent | cos(λ, λ*) | cos(λ, non-private λ) |",
         "|---|---|---|---|---|",
     ]
     for (method, eps), row in sorted(table.items(), key=lambda x: (x[0][1], x[0][0])):
         cos_true = f"{row['cosine_true']:.3f}" if "cosine_true" in row else ""
         cos_ref = f"{row['cosine_reference']:.3f}" if "cosine_reference" in row else ""
-        lines.append(f"| {method} | {eps:g} | {row['spent']:.3f} | {cos_true} | {cos_ref} |")
-    lines += ["", "Methods:", ""]
+        spent = format_epsilon(row["spent"], ".3f")
+        lines.append(f"| {method} | {eps:g} | {spent} | {cos_true} | {cos_ref} |")
+    return "\n".join(lines) + "\n"
+
+
+def utility_caption(results: dict[str, Any]) -> str:
+    arrow = "higher is better" if results["higher_is_better"] else "lower is better"
+    metric = results["metric"][:1].upper() + results["metric"][1:]
+    return f"{metric}, mean ± std over {seed_count(results)} seeds ({arrow}):"
+
+
+def provenance_line(results: dict[str, Any]) -> str:
+    """How the numbers were made: command, runs, time, machine, date, commit (what is known)."""
+    origin = results.get("provenance") or {}
+    parts = []
+    if origin.get("command"):
+        parts.append(f"`{origin['command']}`")
+    if "seconds" in results:
+        reused = results.get("reused_runs", 0)
+        reuse = f", {reused} of them read back from stored stages" if reused else ""
+        parts.append(f"{len(results['runs'])} runs in {results['seconds']:.0f} s{reuse}")
+    if origin.get("backend"):
+        machine = (
+            f"{origin['cpu_count']} CPU cores"
+            if origin["backend"] == "cpu"
+            else (f"{origin['devices']} {origin['backend'].upper()} device(s)")
+        )
+        parts.append(f"on {machine}")
+    for key, label in (("date", ""), ("commit", "commit "), ("version", "dpmix_jax ")):
+        if origin.get(key):
+            parts.append(f"{label}{origin[key]}")
+    return "Measured with " + ", ".join(parts) + "." if parts else ""
+
+
+def randomness_line(results: dict[str, Any]) -> str:
+    """Whether the private randomness was seeded (`SEEDED_NOTE`) or secret."""
+    runs = results["runs"]
+    seeded = sum(bool(r.get("noise_seeded", True)) for r in runs)
+    if not seeded:
+        return "Private randomness secret (from the operating system); seeds number the runs."
+    scope = "" if seeded == len(runs) else f" ({seeded} of {len(runs)} runs)"
+    return f"{SEEDED_NOTE}{scope}."
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """`results.md`: utility (mean ± std over seeds) per method and ε, spent ε and λ quality,
+    what each method does, and where the numbers come from."""
+    table = summarize(results)
+    references = [m for m in _methods(table) if method_label(m, table) != m]
+    lines = [
+        f"# {results['dataset']}: {results['metric']}",
+        "",
+        utility_caption(results),
+        "",
+        utility_table(results),
+        "Spent ε (max over seeds, from the accountants) and λ quality (mean cosine over seeds):",
+        "",
+        budget_table(results),
+    ]
+    if references:
+        lines += [
+            "Reference methods (" + ", ".join(references) + ") are not private end to end: "
+            "points of comparison, not private methods at the same ε (see Methods).",
+            "",
+        ]
+    lines += [randomness_line(results), "", "Methods:", ""]
     lines += [f"- `{m}`: {note}" for m, note in results["methods"].items()]
+    line = provenance_line(results)
+    if line:
+        lines += ["", line]
     return "\n".join(lines) + "\n"
 
 
 def plot_results(results: dict[str, Any], out_dir: pathlib.Path) -> None:
-    """`utility_vs_epsilon.png` and, when λ* or a reference exists, `weights.png`."""
+    """`utility_vs_epsilon.png` and, when DP-MixMin ran, `weights.png`.
+
+    Private methods are drawn solid with filled markers; reference (non-private) methods dashed
+    with hollow markers, their legend entry saying why and what they spend. Points are mean ±
+    std over seeds, nudged sideways per method so that error bars do not hide each other.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     table = summarize(results)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method in common.METHODS:
+    methods = _methods(table)
+    seeds = seed_count(results)
+    delta = results["runs"][0]["delta"]
+    fig, ax = plt.subplots(figsize=(7, 5.2))
+    nudges = np.exp(np.linspace(-0.035, 0.035, len(methods))) if len(methods) > 1 else [1.0]
+    for nudge, method in zip(nudges, methods, strict=True):
         points = sorted((eps, row) for (m, eps), row in table.items() if m == method)
-        if not points:
-            continue
-        eps = [p[0] for p in points]
+        reference = not all(row["private"] for _, row in points)
         ax.errorbar(
-            eps,
-            [p[1]["mean"] for p in points],
-            yerr=[p[1]["std"] for p in points],
-            marker="o",
+            [eps * nudge for eps, _ in points],
+            [row["mean"] for _, row in points],
+            yerr=[row["std"] for _, row in points],
+            marker="s" if reference else "o",
+            markerfacecolor="none" if reference else None,
+            linestyle="--" if reference else "-",
             capsize=3,
-            label=method,
+            label=method_label(method, table),
         )
     ax.set_xscale("log")
+    means = [row["mean"] for row in table.values()]
+    if min(means) > 0 and max(means) > 3 * min(means):  # e.g. perplexities of 100 and 500
+        ax.set_yscale("log")
+        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
     all_eps = sorted({eps for _, eps in table})
     ax.set_xticks(all_eps, [f"{e:g}" for e in all_eps])
     ax.minorticks_off()
-    ax.set_xlabel("ε (end to end)")
-    ax.set_ylabel(results["metric"])
-    ax.set_title(results["dataset"])
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "utility_vs_epsilon.png", dpi=120)
+    ax.set_xlabel(f"target ε, end to end (δ = {delta:g}); dashed, hollow: not private")
+    arrow = "higher is better" if results["higher_is_better"] else "lower is better"
+    ax.set_ylabel(f"{results['metric']} ({arrow})")
+    ax.set_title(
+        f"{results['dataset']}\nmean ± std over {seeds} seeds (points nudged sideways)",
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8, frameon=False)
+    fig.savefig(out_dir / "utility_vs_epsilon.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     dp_runs = [r for r in results["runs"] if r["method"] == "dp_mixmin"]
     reference = [r for r in results["runs"] if r["method"] == "nonprivate_mixmin"]
     if not dp_runs:
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
     k = len(dp_runs[0]["weights"])
-    width = 0.8 / (len(sorted({r["epsilon"] for r in dp_runs})) + 2)
-    bars = []
+    bars: list[tuple[str, np.ndarray, np.ndarray | None, dict]] = []
     if results["true_weights"] is not None:
-        bars.append(("true λ*", np.asarray(results["true_weights"]).reshape(-1, k)[0]))
+        true = np.asarray(results["true_weights"]).reshape(-1, k)[0]
+        bars.append(("true λ*", true, None, {"color": "black"}))
     if reference:
-        bars.append(("non-private MixMin", np.mean([r["weights"] for r in reference], axis=0)))
-    for eps in sorted({r["epsilon"] for r in dp_runs}):
-        mean = np.mean([r["weights"] for r in dp_runs if r["epsilon"] == eps], axis=0)
-        bars.append((f"DP-MixMin ε={eps:g}", mean))
-    for i, (label, values) in enumerate(bars):
-        ax.bar(np.arange(k) + i * width, values, width, label=label)
-    if results.get("source_names"):
-        ax.set_xticks(np.arange(k) + width * (len(bars) - 1) / 2)
-        ax.set_xticklabels(results["source_names"], rotation=45, ha="right", fontsize=8)
+        weights = np.array([r["weights"] for r in reference])
+        style = {"color": "white", "edgecolor": "gray", "hatch": "//"}
+        bars.append(("non-private MixMin (reference)", weights.mean(0), weights.std(0), style))
+    colors = plt.get_cmap("viridis")
+    dp_epsilons = sorted({r["epsilon"] for r in dp_runs})
+    for index, eps in enumerate(dp_epsilons):
+        weights = np.array([r["weights"] for r in dp_runs if r["epsilon"] == eps])
+        color = colors(0.15 + 0.7 * index / max(1, len(dp_epsilons) - 1))
+        bars.append((f"DP-MixMin ε = {eps:g}", weights.mean(0), weights.std(0), {"color": color}))
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.6 * k + 2), 4.8))
+    for i, (label, mean, std, style) in enumerate(bars):
+        # λ_i >= 0: the lower error bar stops at 0.
+        yerr = None if std is None else np.stack([np.minimum(std, mean), std])
+        ax.bar(
+            np.arange(k) + i * width,
+            mean,
+            width,
+            yerr=yerr,
+            capsize=2,
+            error_kw={"elinewidth": 0.8, "ecolor": "0.25"},
+            label=label,
+            **style,
+        )
+    ax.set_xticks(np.arange(k) + width * (len(bars) - 1) / 2)
+    names = results.get("source_names") or [str(i) for i in range(k)]
+    ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
     ax.set_xlabel("public source")
-    ax.set_ylabel("λ (mean over seeds)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "weights.png", dpi=120)
+    ax.set_ylabel("λ_i")
+    ax.set_title(
+        f"{results['dataset']}: mixture weights λ over the {k} public sources\n"
+        f"bars: mean over {seeds} seeds; error bars: ± std over seeds (cut at 0)",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.savefig(out_dir / "weights.png", dpi=120, bbox_inches="tight")
     plt.close(fig)

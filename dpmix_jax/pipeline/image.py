@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Any
 
 import jax
@@ -159,6 +160,22 @@ def _subset_gather(source: Source, rows: np.ndarray, task_index: int | None):
     return gather
 
 
+def row_digests(source: Source, *, chunk: int = 1024) -> list[bytes]:
+    """A SHA-256 digest of every row's arrays (names, dtypes, shapes and bytes): an identifier
+    of each example that depends on that example alone."""
+    digests = []
+    for start in range(0, len(source), chunk):
+        rows = source.gather(np.arange(start, min(start + chunk, len(source))))
+        for i in range(len(next(iter(rows.values())))):
+            digest = hashlib.sha256()
+            for name in sorted(rows):
+                value = np.ascontiguousarray(rows[name][i])
+                digest.update(f"{name}/{value.dtype.str}/{value.shape}".encode())
+                digest.update(value.tobytes())
+            digests.append(digest.digest())
+    return digests
+
+
 class ImagePipeline(common.MixturePipeline):
     """DP-MixMin and its baselines on one `SharedInputTask` (`ImagePipelineConfig`), with stages
     stored under `root` (see `common.MixturePipeline` for the arguments)."""
@@ -170,9 +187,11 @@ class ImagePipeline(common.MixturePipeline):
         return self.task.k
 
     # ------------------------------------------------------------------ stages
-    def split_groups(self) -> np.ndarray | None:
-        """Patient ids where the source has them (D_mix and D_ft are then patient-disjoint)."""
-        return self.task.train.group_ids
+    def split_unit_ids(self) -> np.ndarray | list[bytes]:
+        """Patient ids where the source has them (D_mix and D_ft are then patient-disjoint),
+        else a digest of each example's content (`row_digests`)."""
+        groups = self.task.train.group_ids
+        return row_digests(self.task.train) if groups is None else groups
 
     def _fit_public(self, name: str, seed: int, config: TrainConfig, model, loss) -> nnx.Module:
         store = self._store(seed)
@@ -184,7 +203,13 @@ class ImagePipeline(common.MixturePipeline):
             num_examples=len(self.task.public),
         )
         trainer = Trainer(config, model, loss)
-        result = fit(trainer, data, rng=np.random.default_rng(seed), checkpointer=checkpointer)
+        result = fit(
+            trainer,
+            data,
+            rng=np.random.default_rng(seed),
+            checkpointer=checkpointer,
+            on_step=self._on_step,
+        )
         checkpointer.close()
         return result.model
 

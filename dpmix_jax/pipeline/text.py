@@ -28,7 +28,7 @@ API (the task and its adapters live in `text_data` and are re-exported here):
     documents_as_units, require_paths                   (see `pipeline.text_data`)
     LanguageModelSpec(*, config, weights=None)          .build(vocab_size, *, seed, load=True)
     TextPipelineConfig(*, level, mix_fraction, ..., proxy, mixture, pretrain, finetune)
-    TextPipeline(task, config, root, *, on_stage=None)
+    TextPipeline(task, config, root, *, on_stage=None, reproducible=False)
         .run(method, epsilon, seed) -> RunResult       (and the stages: split, tokenizer,
         proxies, proxy_outputs, mixture, nonprivate_weights, pretrained, finetune, utility)
 """
@@ -253,6 +253,8 @@ class TextPipeline(common.MixturePipeline):
             seed).
         on_stage: called with a stage name whenever a stage is computed (not when it is loaded);
             for progress reports and tests.
+        reproducible: seed the private randomness from each run's seed (see
+            `common.MixturePipeline`); default secret.
     """
 
     def __init__(
@@ -262,8 +264,9 @@ class TextPipeline(common.MixturePipeline):
         root: str | pathlib.Path,
         *,
         on_stage: Callable[[str], None] | None = None,
+        reproducible: bool = False,
     ):
-        super().__init__(task, config, root, on_stage=on_stage)
+        super().__init__(task, config, root, on_stage=on_stage, reproducible=reproducible)
         self._trainers: dict[str, Trainer] = {}
         self._encoded: dict[str, list[list[int]]] = {}
 
@@ -277,13 +280,12 @@ class TextPipeline(common.MixturePipeline):
     @functools.cached_property
     def tokenizer(self) -> TextTokenizer:
         """GPT-2's tokenizer, or a BPE trained on the public documents only (stored at
-        `root/tokenizer.json`, shared by every seed)."""
+        `tokenizer.json` in the settings folder, shared by every seed)."""
         if self.config.tokenizer == "gpt2":
             return gpt2_tokenizer()
-        path = self.root / "tokenizer.json"
+        path = self.settings_folder() / "tokenizer.json"
         if not path.exists():
             self._on_stage("tokenizer")
-            self.root.mkdir(parents=True, exist_ok=True)
             public = (doc for docs in self.task.public_domains.values() for doc in docs)
             trained = train_bpe_tokenizer(public, vocab_size=self.config.vocab_size)
             trained.save(path.with_suffix(".tmp")).replace(path)
@@ -323,9 +325,13 @@ class TextPipeline(common.MixturePipeline):
         return packed.tokens, packed.mask, packed.group_ids
 
     # ------------------------------------------------------------------ stages
-    def split_groups(self) -> np.ndarray | None:
-        """Users at user level (D_mix and D_ft are then user-disjoint), None at example level."""
-        return self.task.train.user_ids if self.config.level == "user" else None
+    def split_unit_ids(self) -> list[str]:
+        """Each document's user name at user level (D_mix and D_ft are then user-disjoint), its
+        text at example level: identifiers that depend on the unit alone."""
+        train = self.task.train
+        if self.config.level == "user":
+            return [train.users[u] for u in train.user_ids]
+        return list(train.texts)
 
     def _public_trainer(self, name: str, config: TrainConfig, spec: LanguageModelSpec) -> Trainer:
         """One public `Trainer` per role, compiled once and reused for every model it trains."""
@@ -345,15 +351,18 @@ class TextPipeline(common.MixturePipeline):
         _, params, _, _ = split_model(model)
         start = TrainState(jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params))
         rng = np.random.default_rng(common.derived_seed(seed, directory.name))
-        result = fit(trainer, data, rng=rng, state=start, checkpointer=checkpointer)
+        result = fit(
+            trainer, data, rng=rng, state=start, checkpointer=checkpointer, on_step=self._on_step
+        )
         checkpointer.close()
         return result.model
 
     def proxies(self, seed: int) -> list[GPT2]:
         """One proxy LM per public domain, trained on that domain's documents only (the seed's
-        own set, or with `shared_proxies` the set of seed 0 under `root/proxies`)."""
+        own set, or with `shared_proxies` the set of seed 0 under `proxies/` in the settings
+        folder)."""
         if self.config.shared_proxies:
-            seed, store = 0, common.StageStore(self.root / "proxies")
+            seed, store = 0, common.StageStore(self.settings_folder() / "proxies")
         else:
             store = self._store(seed)
         spec = self.config.proxy_model

@@ -1,7 +1,7 @@
 """The privacy core: accounting, sampling, clipping, noise. Imports only jax, numpy, optax and
 dp_accounting; knows no model and no data set."""
 
-from dpmix_jax.privacy import accounting, clipping, noise, plan, sampling
+from dpmix_jax.privacy import accounting, clipping, noise, parts, plan, randomness, sampling
 from dpmix_jax.privacy.accounting import (
     PrivacyBudget,
     PrivacyLedger,
@@ -13,7 +13,9 @@ from dpmix_jax.privacy.accounting import (
 )
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
 from dpmix_jax.privacy.noise import add_gaussian_noise, make_dp_sgd_step, private_optimizer
+from dpmix_jax.privacy.parts import assign_parts
 from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
+from dpmix_jax.privacy.randomness import SEEDED_NOTE
 from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler, group_by_user
 
 __all__ = [
@@ -23,9 +25,11 @@ __all__ = [
     "PoissonSampler",
     "PrivacyBudget",
     "PrivacyLedger",
+    "SEEDED_NOTE",
     "UserPoissonSampler",
     "accounting",
     "add_gaussian_noise",
+    "assign_parts",
     "calibrate_noise_multiplier",
     "clipped_grad_sum",
     "clipping",
@@ -36,9 +40,11 @@ __all__ = [
     "group_by_user",
     "make_dp_sgd_step",
     "noise",
+    "parts",
     "plan",
     "plan_dp_sgd",
     "private_optimizer",
+    "randomness",
     "sampling",
     "user_clipped_grad_sum",
 ]

@@ -18,6 +18,7 @@ import functools
 import json
 import logging
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ import dp_accounting
 from dp_accounting import dp_event as dp_events
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
+from scipy import optimize
 
 Accountant = Literal["pld", "rdp"]
 NeighboringRelation = dp_accounting.NeighboringRelation
@@ -61,10 +63,9 @@ def check_sampling_rate(rate: float, name: str = "sampling_rate") -> float:
 
 
 def check_steps(steps: int, name: str = "steps") -> int:
-    """Returns `steps` as an int, or raises ValueError unless it is an integer >= 1."""
-    if isinstance(steps, bool) or not isinstance(steps, int | float) or steps != int(steps):
-        raise ValueError(f"{name} must be an integer >= 1, got {steps!r}.")
-    if steps < 1:
+    """Returns `steps` as an int, or raises ValueError unless it is an integer >= 1 (a Python or
+    NumPy integer, or an integral float)."""
+    if not _is_real(steps) or not math.isfinite(steps) or steps != int(steps) or steps < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {steps!r}.")
     return int(steps)
 
@@ -88,7 +89,8 @@ def check_noise_multiplier(noise_multiplier: float) -> float:
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """True for Python and NumPy ints and floats (np.float32(1.0), np.int64(5)), not for bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,10 +122,16 @@ def dpsgd_event(
 def make_accountant(
     accountant: Accountant = "pld",
     neighboring_relation: NeighboringRelation = ADD_OR_REMOVE_ONE,
+    *,
+    discretization: float = PLD_DISCRETIZATION,
 ) -> dp_accounting.PrivacyAccountant:
-    """A fresh `dp_accounting` accountant: PLD (tight, default) or RDP (fast cross-check)."""
+    """A fresh `dp_accounting` accountant: PLD (tight, default) or RDP (fast cross-check).
+
+    `discretization` is the PLD's value discretisation interval (an upper bound at any value;
+    coarser is faster and looser).
+    """
     if accountant == "pld":
-        return PLDAccountant(neighboring_relation, value_discretization_interval=PLD_DISCRETIZATION)
+        return PLDAccountant(neighboring_relation, value_discretization_interval=discretization)
     if accountant == "rdp":
         return RdpAccountant(neighboring_relation=neighboring_relation)
     raise ValueError(f"accountant must be 'pld' or 'rdp', got {accountant!r}.")
@@ -138,11 +146,20 @@ def epsilon(
 ) -> float:
     """ε of `event` at `delta`, from a fresh `dp_accounting` accountant.
 
+    An event with a noiseless Gaussian (σ = 0, the no-noise control) has ε = ∞. PLD's
+    discretisation is `PLD_DISCRETIZATION` for ε up to 1 and grows in proportion to ε above
+    (`pld_discretization`), so that large ε costs no more than small ε; it stays an upper bound.
     A sampled event under the replace-one relation is not supported by `dp_accounting`'s Poisson
     analysis and raises `dp_accounting.UnsupportedEventError`.
+
+    Raises:
+        ValueError: the noise is too small for the accountant to evaluate (ε astronomically
+            large); the message gives the RDP bound and what to do.
     """
     delta = check_delta(delta)
     make_accountant(accountant)  # validates the name
+    if _has_noiseless_gaussian(event):
+        return math.inf
     key = json.dumps(event_to_dict(event), sort_keys=True)
     return _cached_epsilon(key, delta, accountant, neighboring_relation)
 
@@ -151,11 +168,82 @@ def epsilon(
 def _cached_epsilon(
     event_json: str, delta: float, accountant: Accountant, relation: NeighboringRelation
 ) -> float:
-    # Accounting is a pure function of the event; PLD composition costs up to seconds, and the same
-    # events recur (every seed of an experiment, every ledger report of a run).
-    acc = make_accountant(accountant, relation)
-    acc.compose(event_from_dict(json.loads(event_json)))
-    return float(acc.get_epsilon(delta))
+    # Accounting is a pure function of the event; PLD composition costs up to a second, and the
+    # same events recur (every seed of an experiment, every ledger report of a run).
+    event = event_from_dict(json.loads(event_json))
+    if accountant == "rdp":
+        return _compose(make_accountant("rdp", relation), event, delta)
+    return _pld_epsilon(event, delta, relation)
+
+
+def pld_discretization(epsilon_bound: float) -> float:
+    """The PLD discretisation used for an event whose ε is about `epsilon_bound`:
+    `PLD_DISCRETIZATION`·max(1, ε), a relative resolution of 1e-4 above ε = 1."""
+    return PLD_DISCRETIZATION * max(1.0, epsilon_bound)
+
+
+# Integer RDP orders: a fast, looser bound (a fraction of the default orders' cost) that sizes the
+# PLD grid and brackets calibration; never reported.
+_HINT_ORDERS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 128, 256, 512)
+
+
+def _rdp_hint(
+    event: dp_accounting.DpEvent, delta: float, relation: NeighboringRelation
+) -> float | None:
+    """An RDP upper bound on ε over `_HINT_ORDERS`, or None when RDP cannot evaluate it."""
+    try:
+        with _quiet_rdp_orders():
+            hint = RdpAccountant(list(_HINT_ORDERS), neighboring_relation=relation)
+            return _compose(hint, event, delta)
+    except (dp_accounting.UnsupportedEventError, ValueError, OverflowError, ArithmeticError):
+        return None
+
+
+def _pld_epsilon(
+    event: dp_accounting.DpEvent, delta: float, relation: NeighboringRelation
+) -> float:
+    hint = _rdp_hint(event, delta, relation)
+    try:
+        grid = _grid(hint)
+        eps = _compose(make_accountant("pld", relation, discretization=grid), event, delta)
+        needed = pld_discretization(eps)
+        if grid > 2 * needed or (eps <= 1 and grid != needed):
+            # The hint was loose: recompute at the resolution the ε found asks for.
+            eps = _compose(make_accountant("pld", relation, discretization=needed), event, delta)
+    except (OverflowError, MemoryError, FloatingPointError) as err:
+        bound = "" if hint is None else f" (an RDP bound gives ε <= {hint:.3g})"
+        raise ValueError(
+            f"the noise is too small for the PLD accountant to evaluate ε{bound}: there is no "
+            "meaningful guarantee. Use more noise (a larger noise_multiplier or a target ε "
+            "in [0.01, 100]), or noise_multiplier = 0 for a labelled no-noise control (ε = ∞)"
+        ) from err
+    return eps
+
+
+def _grid(hint: float | None) -> float:
+    return pld_discretization(1.0 if hint is None or not math.isfinite(hint) else hint)
+
+
+def _compose(
+    accountant: dp_accounting.PrivacyAccountant, event: dp_accounting.DpEvent, delta: float
+) -> float:
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+
+
+def _has_noiseless_gaussian(event: dp_accounting.DpEvent) -> bool:
+    if isinstance(event, dp_accounting.GaussianDpEvent):
+        return event.noise_multiplier == 0
+    children = []
+    for name in ("event", "events"):
+        value = getattr(event, name, None)
+        children += value if isinstance(value, list | tuple) else [value]
+    return any(_has_noiseless_gaussian(c) for c in children if isinstance(c, dp_events.DpEvent))
+
+
+# The targets calibration serves: in this range it takes well under a second for the step counts
+# and sampling rates of the presets (up to tens of thousands of steps, rates 1e-4 to 1).
+CALIBRATION_EPSILON_RANGE = (0.01, 100.0)
 
 
 def calibrate_noise_multiplier(
@@ -165,11 +253,14 @@ def calibrate_noise_multiplier(
     sampling_rate: float,
     steps: int,
     accountant: Accountant = "pld",
-    tolerance: float = 1e-3,
+    tolerance: float = 1e-4,
 ) -> float:
-    """The smallest σ (up to `tolerance`) whose DP-SGD ε is at most `target_epsilon`.
+    """The smallest σ (up to a relative `tolerance`) whose DP-SGD ε is at most `target_epsilon`.
 
     The returned σ never exceeds the budget: `epsilon(dpsgd_event(σ, q, T), delta) <= target`.
+
+    Raises:
+        ValueError: a target outside `CALIBRATION_EPSILON_RANGE`, or invalid δ, q or T.
     """
     target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
     delta = check_delta(delta)
@@ -202,38 +293,72 @@ def calibrate(
     target_epsilon: float,
     delta: float,
     accountant: Accountant = "pld",
-    tolerance: float = 1e-3,
+    tolerance: float = 1e-4,
 ) -> float:
-    """The smallest noise parameter (up to `tolerance`) for which `make_event`'s ε <= target.
+    """The smallest noise parameter (up to a relative `tolerance`) whose ε is at most the target.
 
-    `make_event(scale)` must build an event whose ε decreases as `scale` grows (a noise multiplier).
+    `make_event(scale)` must build an event whose ε decreases as `scale` grows (a noise
+    multiplier). The search brackets the answer with a fast integer-order RDP bound, solves on a
+    coarse PLD grid (Brent's method, a few evaluations), and checks the answer with `epsilon`,
+    the accountant that reports it: the returned scale is feasible for exactly that ε.
+
+    Raises:
+        ValueError: a target outside `CALIBRATION_EPSILON_RANGE` (far below it the noise would
+            swamp any signal; far above it the guarantee means nothing, and the search would
+            be slow), or an invalid δ, tolerance or accountant.
     """
     target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
+    low, high = CALIBRATION_EPSILON_RANGE
+    if not low <= target_epsilon <= high:
+        raise ValueError(
+            f"target_epsilon must be in [{low:g}, {high:g}] for calibration, got "
+            f"{target_epsilon!r}; for a no-noise control use noise_multiplier = 0 (ε = ∞)."
+        )
     delta = check_delta(delta)
+    tolerance = check_positive(tolerance, "tolerance")
     make_accountant(accountant)  # validates the name before the search starts
 
-    def solve(name: Accountant, bracket: Any) -> float:
-        return dp_accounting.calibrate_dp_mechanism(
-            lambda: make_accountant(name),
+    @functools.cache
+    def coarse(scale: float) -> float:
+        # A PLD grid at a relative resolution of 1e-3: fast, slightly pessimistic.
+        fresh = make_accountant("pld", discretization=1e-3 * target_epsilon)
+        return _compose(fresh, make_event(scale), delta)
+
+    @functools.cache
+    def reported(scale: float) -> float:
+        return epsilon(make_event(scale), delta=delta, accountant=accountant)
+
+    # The integer-order RDP bound is looser than both accountants, so its answer is feasible
+    # for them (or nearly so): the upper end of the bracket.
+    with _quiet_rdp_orders():
+        upper = dp_accounting.calibrate_dp_mechanism(
+            lambda: RdpAccountant(list(_HINT_ORDERS)),
             make_event,
             target_epsilon,
             delta,
-            bracket_interval=bracket,
+            bracket_interval=dp_accounting.LowerEndpointAndGuess(0.0, 1.0),
             tol=tolerance,
         )
-
-    # RDP is cheap and robust at any σ; its ε bounds PLD's from above, so its σ brackets PLD's.
-    # (PLD at a tiny σ would allocate a huge privacy-loss grid.)
-    with _quiet_rdp_orders():
-        scale = solve("rdp", dp_accounting.LowerEndpointAndGuess(1e-2, 1.0))
-    if accountant == "pld":
-        lower = scale / 2
-        while epsilon(make_event(lower), delta=delta) <= target_epsilon:
-            lower /= 2
-        scale = solve("pld", dp_accounting.ExplicitBracketInterval(lower, scale))
-    # Defensive: calibrate_dp_mechanism promises a feasible value; never return one that is not.
-    while epsilon(make_event(scale), delta=delta, accountant=accountant) > target_epsilon:
-        scale += tolerance
+        search = coarse if accountant == "pld" else reported
+        # Solve search(x) = goal: first for the target, then for the target times the coarse
+        # grid's bias measured at the first answer (for RDP the search is the reported ε).
+        scale, step, goal = upper, 1.5, target_epsilon
+        for refinement in range(1 if search is reported else 2):
+            if refinement:
+                goal = target_epsilon * search(scale) / max(reported(scale), 1e-300)
+            upper, lower = scale * step, scale / step
+            while search(upper) > goal:
+                upper *= step
+            while search(lower) <= goal:
+                lower /= step
+            scale = optimize.brentq(
+                lambda x, goal=goal: search(x) - goal, lower, upper, xtol=tolerance * lower
+            )
+            step = 1.02
+        # The reported ε decides: step up (by doubling steps) until it is within the target.
+        step = tolerance
+        while reported(scale) > target_epsilon:
+            scale, step = scale * (1 + step), 2 * step
     return float(scale)
 
 
@@ -264,22 +389,32 @@ def _quiet_rdp_orders():
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyBudget:
-    """An (ε, δ) guarantee. Validated: ε >= 0 finite, 0 <= δ < 1."""
+    """An (ε, δ) guarantee. Validated: ε >= 0 or ε = ∞ (no noise: no guarantee), 0 <= δ < 1."""
 
     epsilon: float
     delta: float
 
     def __post_init__(self) -> None:
         eps, delta = self.epsilon, self.delta
-        if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
-            raise ValueError(f"PrivacyBudget.epsilon must be a finite number >= 0, got {eps!r}.")
+        if not _is_real(eps) or math.isnan(eps) or eps < 0:
+            raise ValueError(f"PrivacyBudget.epsilon must be a number >= 0 or inf, got {eps!r}.")
         if not _is_real(delta) or not 0 <= delta < 1:
             raise ValueError(f"PrivacyBudget.delta must be in [0, 1), got {delta!r}.")
         object.__setattr__(self, "epsilon", float(eps))
         object.__setattr__(self, "delta", float(delta))
 
+    @property
+    def is_private(self) -> bool:
+        """False for ε = ∞ (a run without noise)."""
+        return math.isfinite(self.epsilon)
+
     def __str__(self) -> str:
-        return f"(ε = {self.epsilon:.4g}, δ = {self.delta:.3g})"
+        return f"(ε = {format_epsilon(self.epsilon)}, δ = {self.delta:.3g})"
+
+
+def format_epsilon(epsilon: float, spec: str = ".4g") -> str:
+    """ε for people: `format(ε, spec)`, or "∞ (no noise)" for a run without noise."""
+    return format(epsilon, spec) if math.isfinite(epsilon) else "∞ (no noise)"
 
 
 def compose_parallel(*budgets: PrivacyBudget) -> PrivacyBudget:

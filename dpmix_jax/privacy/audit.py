@@ -11,8 +11,14 @@ and the same with the worlds swapped (add/remove is symmetric). Clopper-Pearson 
 on TPR and FPR turn these into a lower bound ε_LB that holds with the stated confidence
 (Jagielski, Ullman, Oprea 2020). A mechanism whose ε_LB exceeds its claimed ε violates its claim.
 
-Statistics use only numpy and `scipy.stats.beta`. Canary constructions cover the λ release of
-DP-MixMin on `nll` proxy outputs and DP-SGD (a gradient "dirac" canary and an input-space outlier).
+One-run audits (`one_run_epsilon_lower_bound`) need a single run: m canaries, each inserted
+independently with probability 1/2, are ranked by score and the number of correct membership
+guesses is bounded under the claim, by the binomial tail of Steinke, Nasr, Jagielski (2023) or
+by the f-DP recursion of Mahloujifar, Melis, Chaudhuri (2024). Attack statistics: `auroc`,
+`tpr_at_fpr` (with an exact interval) and `bootstrap_interval` for any of them.
+
+Statistics use numpy and scipy. Canary constructions cover the λ release of DP-MixMin on `nll`
+proxy outputs and DP-SGD (a gradient "dirac" canary and an input-space outlier).
 
 Example:
     >>> import numpy as np
@@ -32,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
-from scipy import stats
+from scipy import optimize, special, stats
 
 from dpmix_jax.privacy.accounting import check_delta, check_positive
 
@@ -75,8 +81,12 @@ class LowerBound(NamedTuple):
         direction: "greater" (guess "with canary" when score >= τ) or "less" (score < τ).
         tpr_low: the Clopper-Pearson lower bound on that test's TPR.
         fpr_high: the Clopper-Pearson upper bound on its FPR.
-        method: "split" or "bonferroni" (see `epsilon_lower_bound`).
+        method: "split", "bonferroni" or "fixed" (`epsilon_lower_bound`,
+            `epsilon_lower_bound_at`), or "steinke" / "fdp" (`one_run_epsilon_lower_bound`).
         confidence: the overall confidence level.
+        details: test details of one-run bounds (guess counts, correct guesses, μ for "fdp");
+            None for the many-run bounds. One-run bounds have `tpr_low = fpr_high = nan` and
+            `direction = "both"` (the top guesses say "included", the bottom "excluded").
     """
 
     epsilon: float
@@ -86,6 +96,7 @@ class LowerBound(NamedTuple):
     fpr_high: float
     method: str
     confidence: float
+    details: dict | None = None
 
 
 def _counts(scores: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
@@ -196,13 +207,56 @@ def epsilon_lower_bound(
     half_w, half_o = len(with_) // 2, len(without) // 2
     thresholds, results = _all_tests(with_[:half_w], without[:half_o], alpha / 2, delta)
     chosen = _best(thresholds, results, method, confidence)
-    eval_w, eval_o = with_[half_w:], without[half_o:]
-    k_w, k_o = _counts(eval_w, np.array([chosen.threshold])), _counts(eval_o, [chosen.threshold])
-    if chosen.direction == "less":
-        k_w, k_o = len(eval_w) - k_w, len(eval_o) - k_o
-    eps, tpr_low, fpr_high = _epsilons(k_w, len(eval_w), k_o, len(eval_o), alpha / 2, delta)
-    return chosen._replace(
-        epsilon=max(float(eps[0]), 0.0), tpr_low=float(tpr_low[0]), fpr_high=float(fpr_high[0])
+    held_out = epsilon_lower_bound_at(
+        with_[half_w:],
+        without[half_o:],
+        threshold=chosen.threshold,
+        direction=chosen.direction,
+        delta=delta,
+        confidence=confidence,
+    )
+    return held_out._replace(method=method)
+
+
+def epsilon_lower_bound_at(
+    scores_with: np.ndarray,
+    scores_without: np.ndarray,
+    *,
+    threshold: float,
+    direction: str,
+    delta: float,
+    confidence: float = 0.95,
+) -> LowerBound:
+    """The ε lower bound of one test fixed before seeing these scores.
+
+    The test guesses "with canary" when score >= `threshold` ("greater") or score < `threshold`
+    ("less"); its TPR lower and FPR upper Clopper-Pearson bounds are each at level α/2, so the
+    bound holds with probability >= `confidence`. Valid only if the test was chosen
+    independently of these scores (e.g. on pilot trials, or from the mechanism's claimed noise).
+
+    Raises:
+        ValueError: on invalid scores, `direction`, `delta` or `confidence`.
+    """
+    with_ = _check_scores(scores_with, "scores_with")
+    without = _check_scores(scores_without, "scores_without")
+    delta = check_delta(delta)
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}.")
+    if direction not in ("greater", "less"):
+        raise ValueError(f"direction must be 'greater' or 'less', got {direction!r}.")
+    k_w, k_o = _counts(with_, np.array([threshold])), _counts(without, np.array([threshold]))
+    if direction == "less":
+        k_w, k_o = len(with_) - k_w, len(without) - k_o
+    alpha = (1.0 - confidence) / 2
+    eps, tpr_low, fpr_high = _epsilons(k_w, len(with_), k_o, len(without), alpha, delta)
+    return LowerBound(
+        max(float(eps[0]), 0.0),
+        float(threshold),
+        direction,
+        float(tpr_low[0]),
+        float(fpr_high[0]),
+        "fixed",
+        confidence,
     )
 
 
@@ -221,6 +275,310 @@ def _best(thresholds, results, method: str, confidence: float) -> LowerBound:
                 confidence,
             )
     return best._replace(epsilon=max(best.epsilon, 0.0))
+
+
+# --------------------------------------------------------------------------------------------
+# One-run audits: m canaries, each included with probability 1/2, in a single run.
+# --------------------------------------------------------------------------------------------
+
+OneRunMethod = Literal["steinke", "fdp"]
+ONE_RUN_METHODS: tuple[str, ...] = ("steinke", "fdp")
+_BISECTION_STEPS = 60
+
+
+def steinke_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float):
+    """P[>= `correct` right guesses out of `guesses`] under (ε, δ)-DP (Steinke et al. 2023).
+
+    Steinke, Nasr, Jagielski (2023), "Privacy auditing with one (1) training run": their main
+    theorem (δ = 0) and its (ε, δ) extension, computed as in their Appendix D. With m canaries
+    each included independently with probability 1/2 and r guesses, the number W of correct
+    guesses of an (ε, δ)-DP run satisfies
+
+        P[W >= v] <= P[B >= v] + 2mδ · max_{i=1..v} P[v - i <= B < v] / i,
+
+    with B ~ Binomial(r, e^ε / (1 + e^ε)), the accuracy of ε-randomised response.
+    """
+    q = 1.0 / (1.0 + math.exp(-epsilon))
+    tail = stats.binom.sf(correct - 1, guesses, q)
+    if correct == 0 or delta == 0:
+        return min(float(tail), 1.0)
+    below = np.cumsum(stats.binom.pmf(np.arange(correct - 1, -1, -1), guesses, q))
+    spread = float(np.max(below / np.arange(1, correct + 1)))
+    return min(float(tail) + 2 * canaries * delta * spread, 1.0)
+
+
+def gaussian_blow_up_inverse(x: float, mu: float) -> float:
+    """Φ(Φ⁻¹(x) - μ): the least probability, under one neighbour, of an event that has
+    probability x under the other, for a μ-GDP mechanism (inverse of the blow-up
+    x ↦ Φ(Φ⁻¹(x) + μ) = 1 - f_μ(x), with f_μ the Gaussian trade-off function)."""
+    return float(special.ndtr(special.ndtri(x) - mu))
+
+
+def fdp_rejects(canaries: int, guesses: int, correct: int, mu: float, alpha: float) -> bool:
+    """Whether `correct` right guesses out of `guesses` reject μ-GDP at level `alpha`.
+
+    Mahloujifar, Melis, Chaudhuri (2024), "Auditing f-differential privacy in one run": if the
+    run were f-DP (here f = the μ-GDP trade-off, alphabet size 2 for membership) and
+    P[>= c correct] >= α, then the probability mass that the guesses must spread over the
+    counts 0..c, computed by the recursion (i = c-1, ..., 0)
+
+        h_c = α (c' - c) / m,  r_c = α c / m,
+        h_i = max(h_{i+1}, f̄⁻¹(r_{i+1})),  r_i = r_{i+1} + i / (c' - i) · (h_i - h_{i+1}),
+
+    would exceed the c'/m available (c' = guesses, m = canaries); so r_0 + h_0 > c'/m means
+    P[>= c correct] < α under μ-GDP, and observing c correct guesses rejects it.
+    """
+    h = alpha * (guesses - correct) / canaries
+    r = alpha * correct / canaries
+    for i in range(correct - 1, -1, -1):
+        h_next = max(h, gaussian_blow_up_inverse(r, mu))
+        r, h = r + i / (guesses - i) * (h_next - h), h_next
+    return r + h > guesses / canaries
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """ε at δ of μ-GDP: the root of Φ(-ε/μ + μ/2) - e^ε Φ(-ε/μ - μ/2) = δ (Dong et al. 2022)."""
+
+    def excess(eps: float) -> float:
+        return (
+            special.ndtr(-eps / mu + mu / 2)
+            - math.exp(eps + special.log_ndtr(-eps / mu - mu / 2))
+            - delta
+        )
+
+    if mu <= 0 or excess(0.0) <= 0:
+        return 0.0
+    upper = 1.0
+    while excess(upper) > 0:
+        upper *= 2
+    return float(optimize.brentq(excess, 0.0, upper, xtol=1e-10))
+
+
+def _largest(predicate: Callable[[float], bool], upper: float) -> float:
+    """sup {x in [0, upper]: predicate(x)} for a predicate true on an initial interval."""
+    if not predicate(0.0):
+        return 0.0
+    if predicate(upper):
+        return upper
+    low, high = 0.0, upper
+    for _ in range(_BISECTION_STEPS):
+        mid = (low + high) / 2
+        low, high = (mid, high) if predicate(mid) else (low, mid)
+    return low
+
+
+def _guess_counts(canaries: int, num_guesses: int | None) -> list[int]:
+    """Guesses per side: the given one, or 1, 2, 4, ... up to m // 2 (and m // 2 itself)."""
+    if num_guesses is not None:
+        if not isinstance(num_guesses, int | np.integer) or not 1 <= num_guesses <= canaries // 2:
+            raise ValueError(
+                f"num_guesses must be an integer in [1, {canaries // 2}] (per side, top and "
+                f"bottom), got {num_guesses!r}."
+            )
+        return [int(num_guesses)]
+    counts = [2**j for j in range(canaries.bit_length()) if 2**j <= canaries // 2]
+    return sorted(set(counts) | {canaries // 2})
+
+
+def one_run_epsilon_lower_bound(
+    scores: np.ndarray,
+    included: np.ndarray,
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    num_guesses: int | None = None,
+    method: OneRunMethod = "steinke",
+) -> LowerBound:
+    """An ε lower bound from ONE run with m canaries, each included with probability 1/2.
+
+    The auditor ranks the canaries by score and guesses "included" for the top k and
+    "excluded" for the bottom k (r = 2k guesses, ties broken by a fixed random order that does
+    not depend on `included`), and counts v correct guesses.
+
+    - "steinke": the largest ε whose `steinke_p_value(m, r, v, ε, δ)` is below α = 1 -
+      confidence: the run is not (ε, δ)-DP for any smaller ε, with probability >= confidence
+      over the canaries' inclusion and the run's randomness.
+    - "fdp": the largest μ such that `fdp_rejects(m, r, v, μ, α)`, reported as the ε at δ of
+      μ-GDP (`gdp_epsilon`), as Mahloujifar et al. report it: the run is not μ'-GDP for any
+      μ' < μ. This is a bound on ε within the Gaussian family of trade-off curves, which the
+      subsampled Gaussian mechanism of DP-SGD approaches over many steps; "steinke" makes no
+      such assumption.
+
+    With `num_guesses=None`, every k in {1, 2, 4, ..., m // 2} ∪ {m // 2} is tried, each at
+    level α / (number of k) (Bonferroni), and the largest bound is returned.
+
+    Args:
+        scores: `(m,)` one score per canary, higher meaning "more likely included".
+        included: `(m,)` bool, which canaries were inserted (each independently, probability
+            1/2; the bound is invalid otherwise).
+        delta: δ of the audited claim (for "fdp", the δ at which μ is converted to ε).
+        confidence: 1 - α.
+        num_guesses: k, guesses per side; None to search.
+        method: "steinke" or "fdp".
+
+    Returns:
+        A `LowerBound` with `threshold` = the lowest score guessed "included" and `details`
+        {"canaries", "guesses_per_side", "guesses", "correct", "level"} (+ "mu" for "fdp").
+
+    Raises:
+        ValueError: on mismatched or non-finite inputs, fewer than 2 canaries, or invalid
+            `delta`, `confidence`, `num_guesses`, `method`.
+    """
+    scores = _check_scores(scores, "scores")
+    included = np.asarray(included)
+    if included.shape != scores.shape or included.dtype != bool:
+        raise ValueError(
+            f"included must be a bool array of the scores' shape {scores.shape}, got "
+            f"{included.dtype} {included.shape}."
+        )
+    delta = float(delta)
+    if not 0 <= delta < 1:
+        raise ValueError(f"delta must be in [0, 1), got {delta!r}.")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}.")
+    if method not in ONE_RUN_METHODS:
+        raise ValueError(f"method must be one of {ONE_RUN_METHODS}, got {method!r}.")
+    canaries = len(scores)
+    counts = _guess_counts(canaries, num_guesses)
+    level = (1.0 - confidence) / len(counts)
+    tie_break = np.random.default_rng(0).random(canaries)
+    ranked = included[np.lexsort((tie_break, -scores))]
+    ordered_scores = np.sort(scores)[::-1]
+
+    best = None
+    for k in counts:
+        correct = int(ranked[:k].sum() + (~ranked[canaries - k :]).sum())
+        guesses = 2 * k
+        details = {
+            "canaries": canaries,
+            "guesses_per_side": k,
+            "guesses": guesses,
+            "correct": correct,
+            "level": level,
+        }
+        if method == "steinke":
+            eps = _largest(
+                lambda e, v=correct, r=guesses: steinke_p_value(canaries, r, v, e, delta) < level,
+                upper=100.0,
+            )
+        else:
+            mu = _largest(
+                lambda u, v=correct, r=guesses: fdp_rejects(canaries, r, v, u, level), upper=40.0
+            )
+            details["mu"] = mu
+            eps = gdp_epsilon(mu, delta) if delta > 0 else math.inf if mu > 0 else 0.0
+        if best is None or eps > best.epsilon:
+            best = LowerBound(
+                float(eps),
+                float(ordered_scores[k - 1]),
+                "both",
+                math.nan,
+                math.nan,
+                method,
+                confidence,
+                details,
+            )
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# Attack statistics: AUROC, TPR at low FPR, bootstrap intervals.
+# --------------------------------------------------------------------------------------------
+
+
+class TprAtFpr(NamedTuple):
+    """The best test with empirical FPR <= a level, and an exact interval on its TPR.
+
+    Attributes:
+        tpr: its empirical TPR (the largest among tests with FPR <= level).
+        tpr_low, tpr_high: two-sided Clopper-Pearson interval on that TPR at `confidence`
+            (each side α/2). The threshold is chosen on the same data, so the interval
+            describes the chosen test's TPR, not the best achievable one.
+        fpr: its empirical FPR.
+        threshold: τ, guessing "with" when score >= τ (inf: the empty test).
+    """
+
+    tpr: float
+    tpr_low: float
+    tpr_high: float
+    fpr: float
+    threshold: float
+
+
+def auroc(scores_with: np.ndarray, scores_without: np.ndarray) -> float:
+    """Area under the ROC curve: P[S_with > S_without] + P[S_with = S_without] / 2.
+
+    Computed from midranks (the Mann-Whitney U statistic divided by n_with · n_without).
+    """
+    with_ = _check_scores(scores_with, "scores_with")
+    without = _check_scores(scores_without, "scores_without")
+    ranks = stats.rankdata(np.concatenate([with_, without]))
+    n_w, n_o = len(with_), len(without)
+    return float((ranks[:n_w].sum() - n_w * (n_w + 1) / 2) / (n_w * n_o))
+
+
+def tpr_at_fpr(
+    scores_with: np.ndarray,
+    scores_without: np.ndarray,
+    *,
+    fpr_level: float,
+    confidence: float = 0.95,
+) -> TprAtFpr:
+    """The largest TPR of a threshold test ("with" iff score >= τ) whose FPR is <= `fpr_level`.
+
+    Raises:
+        ValueError: on invalid scores, `fpr_level` outside [0, 1) or `confidence` outside (0, 1).
+    """
+    with_ = _check_scores(scores_with, "scores_with")
+    without = _check_scores(scores_without, "scores_without")
+    if not 0 <= fpr_level < 1:
+        raise ValueError(f"fpr_level must be in [0, 1), got {fpr_level!r}.")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}.")
+    thresholds = np.append(np.unique(np.concatenate([with_, without])), np.inf)
+    fpr = _counts(without, thresholds) / len(without)
+    tpr = _counts(with_, thresholds) / len(with_)
+    allowed = np.flatnonzero(fpr <= fpr_level)
+    i = allowed[np.argmax(tpr[allowed])]
+    hits = np.array([round(tpr[i] * len(with_))])
+    low, high = clopper_pearson(hits, len(with_), alpha=(1 - confidence) / 2)
+    return TprAtFpr(float(tpr[i]), float(low[0]), float(high[0]), float(fpr[i]), thresholds[i])
+
+
+def bootstrap_interval(
+    statistic: Callable[..., float],
+    *samples: np.ndarray,
+    confidence: float = 0.95,
+    resamples: int = 1000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of `statistic(*samples)`.
+
+    Each sample (e.g. the scores with and without the canary) is resampled with replacement
+    independently, `resamples` times, with `numpy.random.default_rng(seed)`; the interval is
+    the (α/2, 1 - α/2) quantiles of the statistic over the resamples. An approximate interval
+    (unlike Clopper-Pearson), for statistics such as `auroc` or a `tpr_at_fpr` field.
+
+    Raises:
+        ValueError: on no sample, an empty sample, `confidence` outside (0, 1), resamples < 10.
+    """
+    if not samples or any(np.ndim(s) < 1 or len(s) == 0 for s in samples):
+        raise ValueError("bootstrap_interval needs at least one non-empty sample.")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}.")
+    if not isinstance(resamples, int) or resamples < 10:
+        raise ValueError(f"resamples must be an integer >= 10, got {resamples!r}.")
+    rng = np.random.default_rng(seed)
+    arrays = [np.asarray(s) for s in samples]
+    values = np.array(
+        [
+            statistic(*(a[rng.integers(len(a), size=len(a))] for a in arrays))
+            for _ in range(resamples)
+        ]
+    )
+    alpha = 1 - confidence
+    low, high = np.quantile(values, [alpha / 2, 1 - alpha / 2])
+    return float(low), float(high)
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ C, zeroed if it is padding or not finite, and summed. Dividing by a batch size i
 the caller divides the noisy sum by a public constant (see `noise`).
 
 Sensitivity contract: adding or removing one unit changes the returned sum by at most C in L2 norm
-(`sensitivity()`); replacing one unit changes it by at most 2C.
+(`sensitivity()`); replacing one unit changes it by at most 2C. The bound holds in the dtype the
+sum is taken in: norms and clip factors are float32, and a bfloat16/float16 clipped unit is
+rounded toward zero, so the cast cannot lift its norm above C.
 
 Example:
     >>> import jax.numpy as jnp
@@ -21,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -35,23 +38,58 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree], Any]
 
 
+# Relative slack under C for the float32 arithmetic of the norm and of the scaling (XLA's float32
+# sums of squares are accurate to about 1e-7 even over 1e7 entries; this is ten times that).
+_FLOAT32_SLACK = 2.0**-20
+
+
 def global_norm(tree: PyTree) -> jax.Array:
     """The L2 norm of all leaves of `tree` together, accumulated in float32."""
     leaves = jax.tree.leaves(tree)
     return jnp.sqrt(sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in leaves))
 
 
+def clip_factor(norm: jax.Array, clip_norm: float, keep: jax.Array) -> jax.Array:
+    """The float32 factor that clips a unit of gradient norm `norm` to at most `clip_norm`.
+
+    min(1, C' / norm) with C' = C·(1 - 2⁻²⁰), so that the float32 rounding of the norm and of the
+    scaling cannot push the result above C; 0 unless `keep` and the norm is finite.
+    """
+    keep = jnp.logical_and(keep, jnp.isfinite(norm))
+    bound = clip_norm * (1.0 - _FLOAT32_SLACK)
+    norm = jnp.asarray(norm, jnp.float32)
+    return jnp.where(keep, jnp.minimum(1.0, bound / jnp.maximum(norm, 1e-30)), 0.0)
+
+
+def scale_in_dtype(leaf: jax.Array, factor: jax.Array) -> jax.Array:
+    """`leaf * factor` computed in float32 (or wider) and cast back to `leaf.dtype` toward zero.
+
+    Rounding to nearest in bfloat16 or float16 can enlarge an entry by up to 2⁻⁸ or 2⁻¹¹ of
+    its size (more for subnormals), and with it the norm; rounding toward zero never enlarges an
+    entry, so a clipped unit stays within C in the dtype it is summed in.
+    """
+    wide = jnp.promote_types(leaf.dtype, jnp.float32)
+    scaled = leaf.astype(wide) * factor.astype(wide)
+    if wide == leaf.dtype:
+        return scaled
+    narrow = scaled.astype(leaf.dtype)
+    grew = jnp.abs(narrow.astype(wide)) > jnp.abs(scaled)
+    return jnp.where(grew, jnp.nextafter(narrow, jnp.zeros_like(narrow)), narrow)
+
+
 def clip_to_norm(tree: PyTree, clip_norm: float, keep: jax.Array) -> tuple[PyTree, jax.Array]:
     """Scales `tree` to L2 norm <= `clip_norm`; returns zeros unless `keep` and the norm is finite.
 
-    Returns the clipped tree and the norm before clipping.
+    The norm and the scale are float32, and each leaf is rounded toward zero into its own dtype,
+    so the bound holds for the returned bfloat16/float16 leaves too. Returns the clipped tree and
+    the norm before clipping.
     """
     norm = global_norm(tree)
     keep = jnp.logical_and(keep, jnp.isfinite(norm))
-    scale = jnp.where(keep, jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-30)), 0.0)
+    factor = clip_factor(norm, clip_norm, keep)
     # jnp.where (not a product) so that a NaN leaf cannot survive a zero scale.
     clipped = jax.tree.map(
-        lambda g: jnp.where(keep, g * scale.astype(g.dtype), 0).astype(g.dtype), tree
+        lambda g: jnp.where(keep, scale_in_dtype(g, factor), 0).astype(g.dtype), tree
     )
     return clipped, norm
 
@@ -142,7 +180,7 @@ def _check_batch(batch: PyTree, num_units: int) -> None:
 
 def _check_microbatch_size(microbatch_size: int | None) -> None:
     if microbatch_size is not None and (
-        not isinstance(microbatch_size, int) or microbatch_size < 1
+        not isinstance(microbatch_size, numbers.Integral) or microbatch_size < 1
     ):
         raise ValueError(
             f"microbatch_size must be None or an integer >= 1, got {microbatch_size!r}."

@@ -28,10 +28,12 @@ of the rows c_j v_jt at the ids for an embedding), and a vector parameter gets �
 v_jt. There is no second backward pass.
 
 It returns the same `ClippedGradSum` as `clipping.clipped_grad_sum`, so the two are
-interchangeable. The loss must be per-example: example j's loss may depend on example j only (no
-BatchNorm, no cross-example terms), and every parameter must be reported by some tape call (a
-parameter that is not raises a `ValueError`; model glue checks coverage up front, see
-`dpmix_jax.train.ghost_models`).
+interchangeable; `ghost_user_clipped_grad_sum` is the user-level counterpart of
+`clipping.user_clipped_grad_sum` (a user's factors are the rows of all of its examples, so its
+norm is that of its mean gradient). The loss must be per-example: example j's loss may depend on
+example j only (no BatchNorm, no cross-example terms), and every parameter must be reported by
+some tape call (a parameter that is not raises a `ValueError`; model glue checks coverage up
+front, see `dpmix_jax.train.ghost_models`).
 
 Parameter keys: a leaf of `params` is named by the tuple of the dict keys and sequence indices on
 its path (attribute steps, such as an `nnx.Variable`'s value, are skipped); a key that is not a
@@ -61,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmix_jax.privacy.accounting import check_positive
-from dpmix_jax.privacy.clipping import ClippedGradSum
+from dpmix_jax.privacy.clipping import ClippedGradSum, clip_factor
 
 PyTree = Any
 ParamKey = Hashable
@@ -311,30 +313,49 @@ def _rows(x: jax.Array) -> jax.Array:
 
 
 class _Factors:
-    """The (B, T, ·) factor arrays of the recorded layers, built lazily and once each."""
+    """The (U, T, ·) factor arrays of the recorded layers, built lazily and once each.
 
-    def __init__(self, layers: dict[str, _Layer], arrays: dict, grads: dict):
+    A unit is `group` consecutive examples of the forward pass (a user's examples at user
+    level): its factors are the rows of all its examples, (U, group·T, ·).
+    """
+
+    def __init__(self, layers: dict[str, _Layer], arrays: dict, grads: dict, group: int = 1):
         self._layers, self._arrays, self._grads = layers, arrays, grads
+        self.group = group
         self._cache: dict[tuple[str, str], jax.Array] = {}
+
+    def units(self, x: jax.Array) -> jax.Array:
+        """(B, T, ...) per-example rows -> (B / group, group·T, ...) per-unit rows."""
+        return x.reshape(x.shape[0] // self.group, -1, *x.shape[2:])
 
     def get(self, name: str, side: str) -> jax.Array:
         if (name, side) not in self._cache:
             if side == _GRAD:
                 value = self.grad(name)
             elif side == _IDS:
-                value = self._arrays[f"{name}/ids"].reshape(self._grads[name].shape[0], -1)
+                ids = self._arrays[f"{name}/ids"]
+                value = self.units(ids.reshape(ids.shape[0], -1, 1))[..., 0]
             else:
                 layer, x = self._layers[name], self._arrays[f"{name}/input"]
-                value = _rows(x) if layer.conv is None else jnp.swapaxes(layer.conv.unfold(x), 1, 2)
+                x = _rows(x) if layer.conv is None else jnp.swapaxes(layer.conv.unfold(x), 1, 2)
+                value = self.units(x)
             self._cache[(name, side)] = value if side == _IDS else value.astype(jnp.float32)
         return self._cache[(name, side)]
 
     def grad(self, name: str) -> jax.Array:
-        """(B, T, d) output gradients of a layer, channels last."""
+        """(U, T, d) output gradients of a layer, channels last."""
         g, conv = self._grads[name], self._layers[name].conv
         if conv is not None and (channel := conv.dimension_numbers[2].index("C")) != g.ndim - 1:
             g = jnp.moveaxis(g, channel, -1)
-        return _rows(g)
+        return self.units(_rows(g))
+
+    def unit_sum(self, x: jax.Array) -> jax.Array:
+        """(B, ...) per-example values -> (U, ...) sums over each unit's examples."""
+        return x.reshape(x.shape[0] // self.group, self.group, *x.shape[1:]).sum(axis=1)
+
+    def per_example(self, x: jax.Array) -> jax.Array:
+        """(U, ...) per-unit values -> (B, ...), repeated for each of a unit's examples."""
+        return jnp.repeat(x, self.group, axis=0)
 
     def conv_arrays(self, name: str) -> tuple[jax.Array, jax.Array]:
         """A convolution's float32 input and output gradient in its own layout."""
@@ -381,9 +402,9 @@ class _BookKeeper:
     min(1, C / norm) and every parameter of the model was recorded.
     """
 
-    def __init__(self, layers: dict[str, _Layer], arrays: dict, grads: dict):
+    def __init__(self, layers: dict[str, _Layer], arrays: dict, grads: dict, group: int = 1):
         self._convs = {name: layer.conv for name, layer in layers.items()}
-        self._factors = _Factors(layers, arrays, grads)
+        self._factors = _Factors(layers, arrays, grads, group)
         self.params: dict[ParamKey, _Param] = {}
         for name, layer in layers.items():
             for use in layer.uses:
@@ -393,7 +414,8 @@ class _BookKeeper:
                     continue
                 v = self._factors.get(name, _GRAD)
                 if use.scaled:
-                    v = _rows(arrays[f"{name}/normalized"]).astype(jnp.float32) * v
+                    normalized = _rows(arrays[f"{name}/normalized"]).astype(jnp.float32)
+                    v = self._factors.units(normalized) * v
                 direct = jnp.sum(v, axis=1)
                 entry.direct = direct if entry.direct is None else entry.direct + direct
         if shared := [k for k, p in self.params.items() if p.uses and p.direct is not None]:
@@ -447,7 +469,7 @@ class _BookKeeper:
         """(B, ...) per-example gradients of a single-use matrix parameter, in its layout."""
         if conv := self._convs[name]:
             inputs, out_grads = self._factors.conv_arrays(name)
-            return conv.per_example_kernel_grads(inputs, out_grads)
+            return self._factors.unit_sum(conv.per_example_kernel_grads(inputs, out_grads))
         left, right = self._factors.get(name, use.left), self._factors.get(name, use.right)
         return jnp.einsum("btn,btm->bnm", left, right)
 
@@ -455,6 +477,7 @@ class _BookKeeper:
         """Σ_j weights_j Σ_t left_jt ⊗ right_jt: one matmul, a conv transpose, or a scatter-add."""
         if conv := self._convs[name]:
             inputs, out_grads = self._factors.conv_arrays(name)
+            weights, keep = self._factors.per_example(weights), self._factors.per_example(keep)
             scaled = weights.reshape(-1, *([1] * (out_grads.ndim - 1))) * out_grads
             return conv.kernel_grad(_masked(inputs, keep), _masked(scaled, keep))
 
@@ -534,15 +557,49 @@ def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Clipped
     c_j = 0, and their factors are zeroed with `where`, so that 0 · inf cannot reach the sum.
     """
     clip_norm = check_positive(clip_norm, "clip_norm")
+    return ClippedGradSum(_ghost_sum(loss_fn, clip_norm), clip_norm)
 
+
+def ghost_user_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> ClippedGradSum:
+    """User-level clipped gradient sum by ghost norms, for batches shaped `(U, G, ...)`.
+
+    The forward pass runs on the `U·G` examples at once; a user's gradient is the mean of the
+    gradients of its real examples (the `(U, G)` mask), as in `clipping.user_clipped_grad_sum`,
+    and its norm is a ghost norm over the rows of all its examples.
+
+    Args:
+        loss_fn: as for `ghost_clipped_grad_sum`, called on the `(U·G, ...)` flattened batch.
+        clip_norm: C > 0, the L2 bound of each user's gradient.
+
+    Returns:
+        A `ClippedGradSum` with per-user stats (`loss`: the user's mean loss), a drop-in for
+        `clipping.user_clipped_grad_sum`.
+
+    Privacy: the sum has L2 sensitivity `clip_norm` under add/remove of one user with all of
+    their examples (each user in one row of the batch); padded examples get a zero loss weight,
+    users with no real example, or a non-finite norm, contribute exactly zero.
+    """
+    clip_norm = check_positive(clip_norm, "clip_norm")
+    return ClippedGradSum(_ghost_sum(loss_fn, clip_norm, user_level=True), clip_norm)
+
+
+def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False) -> Callable:
     def function(params, batch, mask):
         mask = jnp.asarray(mask, dtype=bool)
         for leaf in jax.tree.leaves(batch):
-            if leaf.shape[:1] != mask.shape:
+            if leaf.shape[: mask.ndim] != mask.shape:
                 raise ValueError(
-                    f"every batch leaf needs a leading axis of {mask.shape[0]} (the mask's "
-                    f"length); got a leaf of shape {leaf.shape}."
+                    f"every batch leaf needs a leading axis of {mask.shape} (the mask's "
+                    f"shape); got a leaf of shape {leaf.shape}."
                 )
+        group = mask.shape[1] if user_level else 1
+        if user_level:
+            batch = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), batch)
+            example_weights = mask / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1)
+            example_weights = example_weights.reshape(-1)
+            unit_mask = jnp.any(mask, axis=1)
+        else:
+            example_weights, unit_mask = jnp.ones(mask.shape, jnp.float32), mask
         probe = Tape()
         jax.eval_shape(lambda: loss_fn(params, batch, probe))
         zeros = {name: jnp.zeros(layer.output.shape, jnp.float32) for name, layer in
@@ -553,12 +610,15 @@ def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Clipped
             return loss_fn(params, batch, tape), tape.arrays
 
         losses, pullback, arrays = jax.vjp(taped, zeros, has_aux=True)
-        (grads,) = pullback(jnp.ones_like(losses))
-        keeper = _BookKeeper(probe.layers, arrays, grads)
+        (grads,) = pullback(example_weights.astype(losses.dtype))
+        keeper = _BookKeeper(probe.layers, arrays, grads, group)
         norms = jnp.sqrt(keeper.sq_norms())
-        keep = mask & jnp.isfinite(norms)
-        weights = jnp.where(keep, jnp.minimum(1.0, clip_norm / jnp.maximum(norms, 1e-30)), 0.0)
+        keep = unit_mask & jnp.isfinite(norms)
+        weights = clip_factor(norms, clip_norm, keep)  # the sums are float32
         total = _fill(params, keeper.clipped_sums(weights, keep))
+        if user_level:
+            weighted = jnp.where(example_weights > 0, losses * example_weights, 0)
+            losses = weighted.reshape(-1, group).sum(axis=1)
         return total, {"loss": losses, "grad_norm": norms}
 
-    return ClippedGradSum(function, clip_norm)
+    return function

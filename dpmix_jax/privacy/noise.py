@@ -33,6 +33,7 @@ import optax
 
 from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
 from dpmix_jax.privacy.clipping import ClippedGradSum
+from dpmix_jax.privacy.randomness import prng_key, secret_seed
 
 PyTree = Any
 
@@ -60,8 +61,11 @@ def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
     return jax.tree.unflatten(treedef, noise)
 
 
-def add_gaussian_noise(stddev: float, key: jax.Array) -> optax.GradientTransformation:
+def add_gaussian_noise(stddev: float, key: jax.Array | None = None) -> optax.GradientTransformation:
     """Adds N(0, stddev²) noise to every coordinate of the updates, with a fresh key each call.
+
+    `key` None (default) draws a secret key from the operating system; a key from a known seed
+    makes the noise reproducible and not private against anyone who knows the seed.
 
     Privacy: applied to a sum of L2 sensitivity Δ, stddev = σ·Δ gives the Gaussian mechanism with
     noise multiplier σ (`accounting.dpsgd_event`).
@@ -69,6 +73,7 @@ def add_gaussian_noise(stddev: float, key: jax.Array) -> optax.GradientTransform
     stddev = float(stddev)
     if not stddev >= 0:
         raise ValueError(f"stddev must be >= 0, got {stddev!r}.")
+    key = prng_key(secret_seed()) if key is None else key
 
     def init_fn(params: PyTree) -> GaussianNoiseState:
         del params
@@ -89,7 +94,7 @@ def private_optimizer(
     noise_multiplier: float,
     sensitivity: float,
     expected_batch_size: float,
-    key: jax.Array,
+    key: jax.Array | None = None,
 ) -> optax.GradientTransformation:
     """Noise the clipped sum, divide by the public expected batch size, then `optimizer`.
 
@@ -98,7 +103,7 @@ def private_optimizer(
         noise_multiplier: σ >= 0 (0 gives a non-private run with clipping; its ε is infinite).
         sensitivity: Δ of the clipped sum (`ClippedGradSum.sensitivity()`).
         expected_batch_size: the *public* normaliser, q·n (never the realised batch size).
-        key: the secret noise key.
+        key: the noise key; None (default) draws a secret one from the operating system.
 
     Privacy: (ε, δ) of the run is that of `accounting.dpsgd_event(σ, q, steps)` for the Poisson
     rate q the batches were drawn with.

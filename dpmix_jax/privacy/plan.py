@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import dp_accounting
 
@@ -29,12 +30,15 @@ class DpSgdConfig:
     """Public settings of a DP-SGD-style run (example or user level).
 
     Attributes:
-        epsilon: target ε (> 0), or None with `noise_multiplier` given.
+        epsilon: target ε (> 0); give exactly one of `epsilon` and `noise_multiplier`.
         delta: target δ in (0, 1).
         clip_norm: C > 0.
-        batch_size: expected number of units per step, b; the rate is q = b / n (capped at 1).
+        batch_size: expected number of units per step, b; the rate is q = b / n, which must be
+            below 1 (b >= n would sample every unit every step: no amplification), except for
+            the no-noise control σ = 0 (full batches, ε = inf).
         steps: T >= 1.
-        noise_multiplier: a fixed σ (then ε is computed, not targeted); None calibrates σ.
+        noise_multiplier: a fixed σ (then ε is computed, not targeted, and the run reports the
+            ε it spent); None calibrates σ to `epsilon`.
         accountant: "pld" (default) or "rdp".
         max_examples_per_user: G for user-level runs (None for example level).
         pad_multiple: sampler padding multiple.
@@ -51,8 +55,12 @@ class DpSgdConfig:
     pad_multiple: int = 32
 
     def __post_init__(self) -> None:
-        if self.epsilon is None and self.noise_multiplier is None:
-            raise ValueError("give a target epsilon or a fixed noise_multiplier.")
+        if (self.epsilon is None) == (self.noise_multiplier is None):
+            raise ValueError(
+                "give exactly one of epsilon (a target; σ is calibrated to it) and "
+                f"noise_multiplier (a fixed σ; ε is computed), got epsilon={self.epsilon!r} and "
+                f"noise_multiplier={self.noise_multiplier!r}."
+            )
         if self.epsilon is not None:
             accounting.check_epsilon(self.epsilon)
         if self.noise_multiplier is not None:
@@ -63,7 +71,8 @@ class DpSgdConfig:
         accounting.check_steps(self.steps)
         accounting.make_accountant(self.accountant)
         if self.max_examples_per_user is not None and (
-            not isinstance(self.max_examples_per_user, int) or self.max_examples_per_user < 1
+            not isinstance(self.max_examples_per_user, numbers.Integral)
+            or self.max_examples_per_user < 1
         ):
             raise ValueError(
                 f"max_examples_per_user must be None or an integer >= 1, "
@@ -121,13 +130,24 @@ class DpSgdPlan:
 
 
 def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
-    """Resolves `config` for `num_units` examples (or users): rate q = min(1, b / n) and σ.
+    """Resolves `config` for `num_units` examples (or users): rate q = b / n and σ.
+
+    Raises:
+        ValueError: when b >= n: the Poisson rate would be 1 (every unit in every batch), which
+            loses the amplification by sampling and makes the normaliser the data set's size.
+            Only the no-noise control (σ = 0, ε = inf: no privacy claimed) may run full batches.
 
     Privacy: `num_units` is the size of the sensitive set; under add/remove DP it is itself
     sensitive, and the guarantee holds for the σ calibrated here at the rate used by the sampler.
     """
-    if not isinstance(num_units, int) or num_units < 1:
+    if not isinstance(num_units, numbers.Integral) or num_units < 1:
         raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}.")
+    if config.batch_size >= num_units and config.noise_multiplier != 0:
+        unit = "users" if config.user_level else "examples"
+        raise ValueError(
+            f"batch_size {config.batch_size:g} >= {num_units} {unit}: the Poisson rate would be "
+            f"1 (no amplification); lower batch_size below the number of {unit}."
+        )
     rate = min(1.0, config.batch_size / num_units)
     if config.noise_multiplier is not None:
         sigma = config.noise_multiplier

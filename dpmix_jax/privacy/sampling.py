@@ -65,7 +65,7 @@ def pad_indices(indices: np.ndarray, multiple: int, size: int | None = None) -> 
 
 
 def _check_pad_multiple(pad_multiple: int) -> None:
-    if not isinstance(pad_multiple, int) or pad_multiple < 1:
+    if not isinstance(pad_multiple, int | np.integer) or pad_multiple < 1:
         raise ValueError(f"pad_multiple must be an integer >= 1, got {pad_multiple!r}.")
 
 
@@ -146,7 +146,10 @@ class UserPoissonSampler:
     def __post_init__(self) -> None:
         check_sampling_rate(self.sampling_rate)
         _check_pad_multiple(self.pad_multiple)
-        if not isinstance(self.max_examples_per_user, int) or self.max_examples_per_user < 1:
+        if (
+            not isinstance(self.max_examples_per_user, int | np.integer)
+            or self.max_examples_per_user < 1
+        ):
             raise ValueError(
                 "max_examples_per_user must be an integer >= 1, "
                 f"got {self.max_examples_per_user!r}."

@@ -12,7 +12,11 @@ of every step can be recomputed and subtracted. Store it like the sensitive data
 publish it; publish only the trained parameters.
 
 Saves are atomic (Orbax writes to a temporary directory and renames it on commit), so a run killed
-during a save resumes from the previous complete checkpoint.
+during a save resumes from the previous complete checkpoint. Every checkpoint also holds
+`checksums` (JSON): the SHA-256 of every saved array (its dtype, shape and bytes) and of `meta`.
+`restore` recomputes them and refuses, naming the file, a checkpoint whose arrays or metadata
+changed or whose files are missing, truncated or unreadable: a damaged checkpoint is an error,
+never a run that resumes from garbage.
 
 API:
     Checkpointer(directory, *, max_to_keep=2)
@@ -24,12 +28,16 @@ API:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pathlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from dpmix_jax.privacy.accounting import PrivacyLedger
 from dpmix_jax.privacy.sampling import generator_state, restore_generator
@@ -73,10 +81,13 @@ class Checkpointer:
             "sampler": generator_state(rng),
             "ledger": None if ledger is None else ledger.state_dict(),
         }
+        checksums = {"state": _array_checksums(state), "meta": _json_checksum(meta)}
         self._manager.save(
             int(step),
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(meta),
+                checksums=ocp.args.JsonSave(checksums),
             ),
             force=True,
         )
@@ -96,6 +107,10 @@ class Checkpointer:
                 run's initial state).
             step: which checkpoint; None for the latest.
 
+        Raises:
+            ValueError: no such checkpoint, or one that fails its checksums or cannot be read
+                (the message names the file).
+
         Privacy: the restored state contains the secret noise key (private runs).
         """
         step = self.latest_step() if step is None else step
@@ -103,17 +118,71 @@ class Checkpointer:
             raise ValueError(f"no checkpoint in {self.directory}.")
         if step not in self._manager.all_steps():
             raise ValueError(f"no checkpoint of step {step} in {self.directory}.")
+        folder = self.directory / str(step)
+        checksums = _read_json(folder / "checksums" / "metadata")
+        meta_file = folder / "meta" / "metadata"
+        meta = _read_json(meta_file)
+        if _json_checksum(meta) != checksums.get("meta"):
+            raise ValueError(
+                f"checkpoint file {meta_file} does not match its checksum: it is damaged; "
+                "delete the checkpoint to restart from the previous one"
+            )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
-        meta = restored["meta"]
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+            )
+        except Exception as err:  # Orbax and TensorStore raise many types for damaged files
+            raise ValueError(
+                f"checkpoint arrays in {folder / 'state'} cannot be read ({type(err).__name__}: "
+                f"{err}); delete the checkpoint to restart from the previous one"
+            ) from err
+        actual = _array_checksums(restored["state"])
+        expected = checksums.get("state", {})
+        if damaged := sorted(k for k in actual.keys() | expected.keys()
+                             if actual.get(k) != expected.get(k)):  # fmt: skip
+            raise ValueError(
+                f"checkpoint arrays in {folder / 'state'} do not match their checksums "
+                f"({', '.join(damaged[:3])}); the files are damaged: delete the checkpoint to "
+                "restart from the previous one"
+            )
         ledger = None if meta["ledger"] is None else PrivacyLedger.from_state_dict(meta["ledger"])
         return restored["state"], restore_generator(meta["sampler"]), ledger
 
     def close(self) -> None:
         """Releases Orbax resources."""
         self._manager.close()
+
+
+def _array_checksums(state: PyTree) -> dict[str, str]:
+    """SHA-256 of every leaf's dtype, shape and bytes, keyed by its path in the tree."""
+    checksums = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        value = np.ascontiguousarray(np.asarray(leaf))
+        digest = hashlib.sha256(f"{value.dtype.str}/{value.shape}/".encode())
+        digest.update(value.tobytes())
+        checksums[jax.tree_util.keystr(path)] = digest.hexdigest()
+    return checksums
+
+
+def _json_checksum(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise ValueError(
+            f"checkpoint file {path} is missing (a checkpoint written without checksums, or a "
+            "damaged one); delete the checkpoint to restart from the previous one"
+        ) from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"checkpoint file {path} cannot be read ({err}); delete the checkpoint to restart "
+            "from the previous one"
+        ) from err

@@ -21,8 +21,8 @@ API:
     TrainState(step, params, opt_state)                     the pytree that is checkpointed
     Trainer(config, model, loss_fn, *, trainable_mask=None, num_units=None, noise_key=None,
             mesh=None)                                      jitted steps for one model and loss
-    fit(trainer, data, *, rng, state=None, ledger=None, checkpointer=None, evaluate=None,
-        logger=None, until=None) -> FitResult
+    fit(trainer, data, *, rng=None, state=None, ledger=None, checkpointer=None, evaluate=None,
+        logger=None, until=None, on_step=None) -> FitResult
     MetricLogger(path=None)                                 JSON-lines metrics (+ TensorBoard)
 """
 
@@ -44,11 +44,13 @@ import tqdm
 from flax import nnx
 
 from dpmix_jax import parallel
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import accounting, randomness
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
+from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
 from dpmix_jax.privacy.noise import private_optimizer
 from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
 from dpmix_jax.privacy.sampling import PADDING_INDEX, group_by_user
+from dpmix_jax.train import ghost_models
 from dpmix_jax.train.losses import Batch, LossFn
 
 PyTree = Any
@@ -56,6 +58,7 @@ Gather = Callable[[np.ndarray], Batch]
 BatchFn = Callable[[np.random.Generator], Batch]
 Optimizer = Literal["sgd", "momentum", "adam", "adamw"]
 Level = Literal["example", "user"]
+Clipping = Literal["auto", "ghost", "vmap"]
 
 
 def _check_interval(value: int | None, name: str) -> None:
@@ -87,8 +90,14 @@ class TrainConfig:
         chunk_size: gradient accumulation: units per jitted call; the padded batch is cut into
             chunks of this size whose clipped sums are added before the single noise draw.
             None: the whole padded batch in one call (compiled once per padded size).
-        microbatch_size: units per vmap inside one call (`lax.scan` over microbatches; memory
-            only, the result is the same); must divide `chunk_size` (or `pad_multiple`).
+        microbatch_size: vmap path: units per vmap inside one call (`lax.scan` over
+            microbatches; memory only, the result is the same); must divide `chunk_size` (or
+            `pad_multiple`). The ghost path keeps no per-example copy of the model's gradient
+            and does not use it (`chunk_size` bounds its memory).
+        clipping: how per-unit clipped gradient sums are computed (the same sum either way):
+            "ghost" (ghost norms and book-keeping, one backward pass: `privacy.ghost`), "vmap"
+            (per-unit gradients with `jax.vmap`), or "auto": ghost when every trainable
+            parameter lives in a layer the ghost tape supports (`train.ghost_models`), else vmap.
         log_every, eval_every, checkpoint_every: intervals in steps (None: never; the last step
             is always checkpointed when a checkpointer is given).
         progress: show a tqdm progress bar.
@@ -111,6 +120,7 @@ class TrainConfig:
     pad_multiple: int = 32
     chunk_size: int | None = None
     microbatch_size: int | None = None
+    clipping: Clipping = "auto"
     log_every: int | None = 100
     eval_every: int | None = None
     checkpoint_every: int | None = None
@@ -131,6 +141,10 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}.")
         if self.level not in ("example", "user"):
             raise ValueError(f"level must be 'example' or 'user', got {self.level!r}.")
+        if self.clipping not in ("auto", "ghost", "vmap"):
+            raise ValueError(f"clipping must be 'auto', 'ghost' or 'vmap', got {self.clipping!r}.")
+        if self.clipping == "ghost" and self.microbatch_size is not None:
+            raise ValueError("microbatch_size applies to the vmap path; remove it or use 'vmap'.")
         for name in ("pad_multiple", "chunk_size", "microbatch_size"):
             _check_interval(getattr(self, name), name)
         for name in ("log_every", "eval_every", "checkpoint_every"):
@@ -321,12 +335,19 @@ class Trainer:
             no noise and no update. None trains everything.
         num_units: private runs: the number of sensitive examples (or users), for the sampling
             rate q = b / n.
-        noise_key: private runs: the secret key of the Gaussian noise.
-        mesh: optional `parallel.make_mesh(...)` mesh: parameters are placed with the FSDP rule,
-            batch rows over the "data" axis, and the per-example vmap gets
-            `spmd_axis_name="data"`.
-        fsdp_min_size: with a mesh, parameters of at least this many elements are sharded over
-            the "model" axis (`MeshConfig.fsdp_min_size`).
+        noise_key: private runs: the key of the Gaussian noise. None (default) draws a secret
+            from the operating system; a key built from a known seed makes the noise
+            reproducible and not private against anyone who knows the seed.
+        mesh: a `parallel.make_mesh(...)` mesh: parameters are placed with the FSDP rule,
+            batch rows over the "data" axis (each process reads only its rows), and the
+            per-example vmap gets `spmd_axis_name="data"`. None: the run's mesh
+            (`parallel.active_mesh()`, set from `--mesh` by the command line), or no mesh.
+        fsdp_min_size: with an explicit mesh, parameters of at least this many elements are
+            sharded over the "model" axis (`MeshConfig.fsdp_min_size`).
+
+    Attributes:
+        clipping: private runs: "ghost" or "vmap", the clipped-sum method `config.clipping`
+            selected for this model and trainable mask.
 
     Privacy: a private Trainer's steps read sensitive examples only through clipped, noised sums;
     the noise key must never be logged.
@@ -344,6 +365,8 @@ class Trainer:
         mesh: jax.sharding.Mesh | None = None,
         fsdp_min_size: int = parallel.MeshConfig().fsdp_min_size,
     ):
+        if mesh is None:
+            mesh, fsdp_min_size = parallel.active_mesh()
         self.config = config
         self.loss_fn = loss_fn
         self.mesh = mesh
@@ -354,9 +377,12 @@ class Trainer:
         self.plan: DpSgdPlan | None = None
         if config.private:
             check_no_batchnorm(model)
-            if num_units is None or noise_key is None:
-                raise ValueError("a private Trainer needs num_units and noise_key.")
+            if num_units is None:
+                raise ValueError("a private Trainer needs num_units.")
+            if noise_key is None:  # one secret for all processes of a multi-process run
+                noise_key = randomness.prng_key(parallel.agree_int(randomness.secret_seed()))
             self.plan = plan_dp_sgd(config.dp_sgd_config(), num_units=int(num_units))
+            self.clipping = self._select_clipping(model)
             self.optimizer = private_optimizer(
                 make_optimizer(config),
                 noise_multiplier=self.plan.noise_multiplier,
@@ -374,6 +400,8 @@ class Trainer:
         else:
             self.optimizer = make_optimizer(config)
         self._chunk_fn = jax.jit(self._chunk_sum)
+        # One dispatch for the accumulator, not one per parameter (it matters for small steps).
+        self._zeros_fn = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
         self._apply_fn = jax.jit(self._apply)
         self._public_fn = jax.jit(self._public_step)
 
@@ -398,10 +426,42 @@ class Trainer:
         """The NNX model with the state's trainable parameters (frozen ones unchanged)."""
         return self.split.merge(state.params, self.frozen, self.rest)
 
+    def _select_clipping(self, model: nnx.Module) -> str:
+        """The clipped-sum method for `config.clipping`: auto is ghost where the layers allow."""
+        trainable = dict(zip(self.split.names, self.split.trainable, strict=True))
+        paths = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+        self._ghost_keys = {
+            tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)): name
+            for path, _ in paths
+            if trainable[name := jax.tree_util.keystr(path)]
+        }
+        if self.config.clipping == "vmap":
+            return "vmap"
+        try:
+            ghost_models.check_ghost_support(model, self._ghost_key)
+        except ValueError:
+            if self.config.clipping == "ghost":
+                raise
+            return "vmap"
+        return "ghost"
+
+    def _ghost_key(self, path: tuple) -> str | None:
+        """The params-dict name of the trainable parameter at `path` (None: frozen)."""
+        return self._ghost_keys.get(path)
+
     # ---------------------------------------------------------------- pure jitted pieces
     def _grad_sum(self, frozen: PyTree, rest: PyTree) -> ClippedGradSum:
         config = self.config
         spmd = parallel.DATA_AXIS if self.mesh is not None else None
+        if self.clipping == "ghost":
+
+            def taped_loss(params, batch, tape):
+                model = self.split.merge(params, frozen, rest)
+                return self.loss_fn(ghost_models.tap_model(model, tape, self._ghost_key), batch)
+
+            if config.level == "user":
+                return ghost_user_clipped_grad_sum(taped_loss, clip_norm=config.clip_norm)
+            return ghost_clipped_grad_sum(taped_loss, clip_norm=config.clip_norm)
 
         def example_loss(params, example):
             return self.loss_fn(self.split.merge(params, frozen, rest), example)[0]
@@ -455,7 +515,7 @@ class Trainer:
         if self.mesh is not None:
             rows = math.lcm(rows, self.mesh.shape[parallel.DATA_AXIS])
         indices, mask = _pad_rows(indices, rows), _pad_rows(mask.astype(np.int8), rows) == 1
-        acc = jax.tree.map(jnp.zeros_like, params)
+        acc = self._zeros_fn(params)
         for start in range(0, indices.shape[0], rows):
             chunk = indices[start : start + rows]
             chunk_mask = mask[start : start + rows]
@@ -480,8 +540,16 @@ class Trainer:
             batch = self.sampler.sample(rng, data.users)
         else:
             batch = self.sampler.sample(rng, data.num_examples)
-        total = self.clipped_sum(state.params, data.gather, batch.indices, batch.mask)
-        return self._apply_fn(state, total)
+        return self.noisy_step(state, data.gather, batch.indices, batch.mask)
+
+    def noisy_step(
+        self, state: TrainState, gather: Gather, indices: np.ndarray, mask: np.ndarray
+    ) -> TrainState:
+        """The update of `private_step` on a given padded index batch: clipped sum, noise, step.
+
+        Privacy: private only as part of `private_step`, on the sampler's Poisson batch.
+        """
+        return self._apply_fn(state, self.clipped_sum(state.params, gather, indices, mask))
 
     def public_step(
         self, state: TrainState, data: IndexedData | BatchFn, rng: np.random.Generator
@@ -552,24 +620,46 @@ class FitResult:
     rng: np.random.Generator
 
 
+@jax.jit
+def _all_finite(tree: PyTree) -> jax.Array:
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _check_finite(params: PyTree, step: int, last_checked: int) -> int:
+    """Returns `step` if every parameter is finite, else raises a ValueError naming the steps.
+
+    One jitted reduction and one scalar fetch; `fit` calls it at log and checkpoint steps and at
+    the end (a non-finite state is never saved).
+    """
+    if not bool(_all_finite(params)):
+        raise ValueError(
+            f"training produced non-finite parameters at step {step} (finite at step "
+            f"{last_checked}); lower the learning rate or check the data and loss."
+        )
+    return step
+
+
 def fit(
     trainer: Trainer,
     data: IndexedData | BatchFn,
     *,
-    rng: np.random.Generator,
+    rng: np.random.Generator | None = None,
     state: TrainState | None = None,
     ledger: accounting.PrivacyLedger | None = None,
     checkpointer: Any | None = None,
     evaluate: Callable[[nnx.Module], Mapping[str, float]] | None = None,
     logger: MetricLogger | None = None,
     until: int | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> FitResult:
     """Runs `trainer` from `state` (or step 0, or the checkpointer's latest step) to `until`.
 
     Args:
         trainer: the `Trainer`.
         data: `IndexedData` (private runs need it), or for public runs a callable `rng -> batch`.
-        rng: numpy Generator of the batch sampler (its state is checkpointed).
+        rng: numpy Generator of the batch sampler (its state is checkpointed). None (default):
+            a generator seeded from the operating system's entropy, so a private run's Poisson
+            batches are secret; pass `np.random.default_rng(seed)` to reproduce them.
         state: the starting state (default: `trainer.init_state()`).
         ledger: the privacy ledger to record private steps in (default: a fresh one).
         checkpointer: a `checkpoint.Checkpointer`; when it holds a checkpoint the run resumes from
@@ -579,9 +669,14 @@ def fit(
         logger: where metrics go (default: an in-memory `MetricLogger`).
         until: stop after this step (default: `config.steps`), e.g. to split a run over
             time-limited jobs; resuming continues exactly as an uninterrupted run.
+        on_step: called with (steps done, `until`) after every step, for progress reports.
 
     Returns:
         A `FitResult`. For private runs `ledger.epsilon(delta)` is the ε of the steps executed.
+
+    Raises:
+        ValueError: the parameters became non-finite (checked at log and checkpoint steps and
+            at the end, so a non-finite state is never saved); the message names the step.
 
     Privacy: private runs read `data` only through accounted DP-SGD steps; each executed step is
     recorded once (a resumed run restores the ledger, never re-records). Logged values are the
@@ -594,12 +689,15 @@ def fit(
             raise ValueError("private training reads data through IndexedData (Poisson sampling).")
         ledger = accounting.PrivacyLedger() if ledger is None else ledger
     logger = MetricLogger() if logger is None else logger
+    if rng is None:  # one secret sampler seed for all processes of a multi-process run
+        rng = np.random.default_rng(parallel.agree_int(randomness.secret_seed()))
     state = trainer.init_state() if state is None else state
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state, rng, restored = checkpointer.restore(state)
         ledger = restored if config.private else ledger
     until = config.steps if until is None else min(until, config.steps)
     start = int(state.step)
+    checked = start  # the last step whose parameters were checked finite (or the resumed one)
     bar = tqdm.trange(start, until, initial=start, total=until, disable=not config.progress)
     for step in bar:
         if config.private:
@@ -610,15 +708,21 @@ def fit(
             state, loss = trainer.public_step(state, data, rng)
             metrics = {"train_loss": loss}
         done = step + 1
-        if config.log_every and (done % config.log_every == 0 or done == until):
+        saving = checkpointer is not None and (
+            done == until or (config.checkpoint_every and done % config.checkpoint_every == 0)
+        )
+        log_now = config.log_every and (done % config.log_every == 0 or done == until)
+        if saving or log_now or done == until:
+            checked = _check_finite(state.params, done, checked)
+        if log_now:
             if config.private:
                 metrics["epsilon"] = ledger.epsilon(config.delta, config.accountant)
             logger.log(done, metrics)
             bar.set_postfix({k: f"{float(v):.4g}" for k, v in metrics.items()})
         if evaluate is not None and config.eval_every and done % config.eval_every == 0:
             logger.log(done, {f"eval/{k}": v for k, v in evaluate(trainer.model(state)).items()})
-        if checkpointer is not None and (
-            done == until or (config.checkpoint_every and done % config.checkpoint_every == 0)
-        ):
+        if saving:
             checkpointer.save(done, state, rng=rng, ledger=ledger)
+        if on_step is not None:
+            on_step(done, until)
     return FitResult(state, trainer.model(state), ledger, rng)

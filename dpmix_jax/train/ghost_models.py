@@ -12,7 +12,10 @@ selects the method per model without other changes:
 
 The ghost path reports layers to the tape without touching model code: inside the traced loss,
 the freshly merged model's supported modules are switched to subclasses whose calls run the
-original layer and then report its input and output to the tape.
+original layer and then report its input and output to the tape (`tap_model`). With partial
+fine-tuning (`key_fn` returns None for frozen parameters) only layers with a trainable parameter
+are tapped, and a layer's frozen parameters get no gradient; `train.Trainer` uses this path by
+default (`TrainConfig.clipping`).
 
 Example:
     >>> import jax.numpy as jnp
@@ -44,8 +47,13 @@ BatchLossFn = Callable[[nnx.Module, Any], jax.Array]
 METHODS = ("vmap", "ghost")
 
 
-def _tap(module: nnx.Module) -> tuple[Tape, tuple]:
-    return module.__dict__["_ghost_tape"], module.__dict__["_ghost_path"]
+def _tap(module: nnx.Module) -> tuple[Tape, str, dict[str, Any]]:
+    """The tape, the layer name and the parameter keys (None: frozen) of a tapped module."""
+    return (
+        module.__dict__["_ghost_tape"],
+        module.__dict__["_ghost_name"],
+        module.__dict__["_ghost_keys"],
+    )
 
 
 def _name(path: tuple) -> str:
@@ -60,58 +68,49 @@ def _normalize(x: jax.Array, axes: tuple[int, ...], epsilon: float) -> jax.Array
     return (x - mean) * jax.lax.rsqrt(var + epsilon)
 
 
-def _affine_keys(module: nnx.Module, path: tuple) -> dict[str, tuple | None]:
-    return {
-        "scale": path + ("scale",) if module.scale is not None else None,
-        "bias": path + ("bias",) if module.bias is not None else None,
-    }
-
-
 class _TapLinear(nnx.Linear):
     def __call__(self, inputs, out_sharding=None):
-        tape, path = _tap(self)
+        tape, name, keys = _tap(self)
         outputs = super().__call__(inputs, out_sharding=out_sharding)
-        bias = path + ("bias",) if self.bias is not None else None
-        return tape.linear(_name(path), inputs, outputs, kernel=path + ("kernel",), bias=bias)
+        return tape.linear(name, inputs, outputs, kernel=keys["kernel"], bias=keys["bias"])
 
 
 class _TapEmbed(nnx.Embed):
     def __call__(self, inputs, out_sharding=None):
-        tape, path = _tap(self)
+        tape, name, keys = _tap(self)
         outputs = super().__call__(inputs, out_sharding=out_sharding)
         return tape.embedding(
-            _name(path), inputs, outputs, table=path + ("embedding",),
-            vocab_size=self.num_embeddings,
-        )  # fmt: skip
+            name, inputs, outputs, table=keys["embedding"], vocab_size=self.num_embeddings
+        )
 
     def attend(self, query, out_sharding=None):
-        tape, path = _tap(self)
+        tape, name, keys = _tap(self)
         logits = super().attend(query, out_sharding=out_sharding)
-        return tape.attend(_name(path) + "/attend", query, logits, table=path + ("embedding",))
+        return tape.attend(name + "/attend", query, logits, table=keys["embedding"])
 
 
 class _TapLayerNorm(nnx.LayerNorm):
     def __call__(self, x, *, mask=None):
         if mask is not None:
             raise ValueError("ghost clipping does not support masked LayerNorm statistics.")
-        tape, path = _tap(self)
+        tape, name, keys = _tap(self)
         outputs = super().__call__(x)
         axes = tuple(range(x.ndim))[self.reduction_axes :] if isinstance(
             self.reduction_axes, int
         ) else tuple(self.reduction_axes)  # fmt: skip
         normalized = _normalize(x, axes, self.epsilon)
-        return tape.scale_shift(_name(path), normalized, outputs, **_affine_keys(self, path))
+        return tape.scale_shift(name, normalized, outputs, scale=keys["scale"], bias=keys["bias"])
 
 
 class _TapGroupNorm(nnx.GroupNorm):
     def __call__(self, x, *, mask=None):
         if mask is not None or self.reduction_axes is not None:
             raise ValueError("ghost clipping supports GroupNorm over all non-batch axes only.")
-        tape, path = _tap(self)
+        tape, name, keys = _tap(self)
         outputs = super().__call__(x)
         mean, inv_std = group_statistics(x, self.num_groups, self.epsilon)
         normalized = (x.astype(jnp.float32) - mean) * inv_std
-        return tape.scale_shift(_name(path), normalized, outputs, **_affine_keys(self, path))
+        return tape.scale_shift(name, normalized, outputs, scale=keys["scale"], bias=keys["bias"])
 
 
 class _TapResNetGroupNorm(_TapGroupNorm, GroupNorm):
@@ -120,12 +119,12 @@ class _TapResNetGroupNorm(_TapGroupNorm, GroupNorm):
 
 class _TapConv(Conv):
     def __call__(self, x):
-        tape, path = _tap(self)
+        tape, name, keys = _tap(self)
         outputs = super().__call__(x)
         size = self.kernel.shape[:2]
         pad = (self.padding, self.padding)
         return tape.conv(
-            _name(path), x.astype(self.dtype), outputs, kernel=path + ("kernel",),
+            name, x.astype(self.dtype), outputs, kernel=keys["kernel"],
             kernel_size=size, strides=(self.stride, self.stride), padding=(pad, pad),
         )  # fmt: skip
 
@@ -139,32 +138,79 @@ _TAPPED = {
     Conv: _TapConv,
 }
 _PARAM_NAMES = ("kernel", "bias", "embedding", "scale")
+# The parameter that carries the layer's outer-product gradient (it must be trainable whenever
+# any parameter of the layer is: the tape cannot record a layer without it).
+_MATRIX = {nnx.Linear: "kernel", nnx.Embed: "embedding", Conv: "kernel"}
+# A parameter's key for the tape from its path in the model (module path + attribute name), or
+# None for a frozen parameter.
+KeyFn = Callable[[tuple], Any]
 
 
-def _param_paths(params: nnx.State) -> set[tuple]:
+def _param_paths(params: nnx.State) -> list[tuple]:
     paths = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {tuple(k.key for k in p if isinstance(k, jax.tree_util.DictKey)) for p, _ in paths}
+    return [tuple(k.key for k in p if isinstance(k, jax.tree_util.DictKey)) for p, _ in paths]
 
 
-def check_ghost_support(model: nnx.Module) -> None:
-    """Raises ValueError unless every parameter of `model` lives in a layer the tape covers."""
-    covered = set()
+def _layer_keys(module: nnx.Module, path: tuple, key_fn: KeyFn) -> dict[str, Any]:
+    return {
+        name: key_fn(path + (name,)) if getattr(module, name, None) is not None else None
+        for name in _PARAM_NAMES
+    }
+
+
+def _tapped_layers(model: nnx.Module, key_fn: KeyFn):
+    """(path, module, keys) of each supported layer with at least one trainable parameter."""
     for path, module in nnx.iter_modules(model):
         if type(module) in _TAPPED:
-            if isinstance(module, Conv) and module.weight_standardization:
-                raise ValueError(
-                    f"ghost clipping does not support weight-standardised convolutions "
-                    f"({_name(path)}); use method='vmap'."
-                )
-            covered |= {path + (name,) for name in _PARAM_NAMES}
-    missing = _param_paths(nnx.state(model, nnx.Param)) - covered
-    if missing:
+            keys = _layer_keys(module, path, key_fn)
+            if any(key is not None for key in keys.values()):
+                yield path, module, keys
+
+
+def check_ghost_support(model: nnx.Module, key_fn: KeyFn = lambda path: path) -> None:
+    """Raises ValueError unless every trainable parameter of `model` is in a layer the tape covers.
+
+    Args:
+        model: the NNX model.
+        key_fn: a parameter's key from its path, None for a frozen parameter (default: every
+            parameter is trainable and keyed by its path).
+    """
+    covered = set()
+    for path, module, keys in _tapped_layers(model, key_fn):
+        if isinstance(module, Conv) and module.weight_standardization:
+            raise ValueError(
+                f"ghost clipping does not support weight-standardised convolutions "
+                f"({_name(path)}); use method='vmap'."
+            )
+        matrix = next((v for k, v in _MATRIX.items() if isinstance(module, k)), None)
+        if matrix is not None and keys[matrix] is None:
+            raise ValueError(
+                f"ghost clipping needs the {matrix} of {_name(path)} trainable when another of "
+                "its parameters is; use method='vmap'."
+            )
+        covered |= {path + (name,) for name in _PARAM_NAMES}
+    trainable = {p for p in _param_paths(nnx.state(model, nnx.Param)) if key_fn(p) is not None}
+    if missing := trainable - covered:
         names = sorted(_name(p) for p in missing)
         raise ValueError(
             f"ghost clipping needs every parameter in a supported layer "
             f"({', '.join(t.__name__ for t in _TAPPED)}); not covered: {names[:5]}. "
             "Use method='vmap'."
         )
+
+
+def tap_model(model: nnx.Module, tape: Tape, key_fn: KeyFn = lambda path: path) -> nnx.Module:
+    """Switches the supported layers of a freshly merged `model` to taps that report to `tape`.
+
+    Call inside the traced loss on a model rebuilt by `nnx.merge` (the switch mutates it). Layers
+    whose parameters are all frozen (`key_fn` None) stay plain: no gradient is kept for them.
+    """
+    for path, module, keys in list(_tapped_layers(model, key_fn)):
+        module.__class__ = _TAPPED[type(module)]
+        module.__dict__["_ghost_tape"] = tape
+        module.__dict__["_ghost_name"] = _name(path)
+        module.__dict__["_ghost_keys"] = keys
+    return model
 
 
 def model_clipped_grad_sum(
@@ -209,12 +255,6 @@ def model_clipped_grad_sum(
     check_ghost_support(model)
 
     def taped_loss(params, batch, tape):
-        merged = nnx.merge(graphdef, params, rest)
-        for path, module in nnx.iter_modules(merged):
-            if type(module) in _TAPPED:
-                module.__class__ = _TAPPED[type(module)]
-                module.__dict__["_ghost_tape"] = tape
-                module.__dict__["_ghost_path"] = path
-        return batch_loss(merged, batch)
+        return batch_loss(tap_model(nnx.merge(graphdef, params, rest), tape), batch)
 
     return ghost_clipped_grad_sum(taped_loss, clip_norm=clip_norm)

@@ -1,17 +1,23 @@
-"""Canary audit of DP-MixMin's released λ and of DP-SGD (SPEC §6).
+"""Canary audits of every release: DP-MixMin's λ, DP-SGD, the pipeline, Hot PATE.
 
 Command:
-    python -m experiments.audit --preset cpu --out DIR      # about 100 s on 2 CPU cores
+    python -m experiments.audit --preset cpu --out DIR   # about 120 s of CPU time on 2 cores
 
-Writes DIR/audit.md (tables), DIR/audit.json and DIR/audit.png. Expected with the cpu preset
-(400 runs per world, k = 14, n = 200, T = 300, q ≈ 0.5, σ ≈ 32 for ε = 1): every ε_LB at the
-claimed ε = 1 is below it (natural and max-clip canaries 0.00-0.02, DP-SGD canaries 0.00), and
-the no-noise controls reach ε_LB ≈ 3.1-3.7 for the λ release and ≈ 4.0 for both DP-SGD
-canaries; 4.0 is the most that 200 held-out runs per world can certify. `--known-batches`
-(trials share the other units' batches) takes about 50 s and brings every no-noise ε_LB to
-≈ 4.0. The paper preset reproduces the DP-MixMin audit protocol (ε = 1, δ = 1e-5, ρ = 0.1,
-k = 14, 14 tasks, 2000 runs per configuration, i.e. 1000 per world) on synthetic proxy outputs
-of NIH-like size (n = 8970, b = 1000), with shared batches so that the no-noise control keeps
+Writes DIR/results.md (the summary table, the tightness table and the λ / DP-SGD tables),
+DIR/results.json and DIR/results.png (ε_LB against claimed ε per release and method, no-noise
+controls hollow). Measured with the cpu preset: every private ε_LB at the claimed ε = 1 is below
+it (λ and DP-SGD many-run canaries 0.00, one-run DP-SGD 0.08-0.17, end-to-end pipeline 0.01
+over many runs and 0.07-0.12 in one run, Hot PATE 0.05-0.46); the no-noise controls reach
+3.4-4.0 (many runs, 400 per world), 3.8 (one run, 500 canaries) and 7.2-7.9 (Hot PATE, 20,000
+calls per world); the white-box tightness audit certifies ε_LB / ε = 0.66-0.82 for DP-SGD and
+DP-MixMin at ε = 1 and 4. The λ settings (400 runs per world, k = 14, n = 200, T = 300,
+q ≈ 0.5, σ ≈ 32 for ε = 1) give natural and max-clip ε_LB 0.00 against 3.4-3.6 without noise;
+`--known-batches` (trials share the other units' batches) brings every no-noise ε_LB of the λ
+and DP-SGD audits to ≈ 4.0.
+
+The paper preset reproduces the DP-MixMin audit protocol (ε = 1, δ = 1e-5, ρ = 0.1, k = 14,
+14 tasks, 2000 runs per configuration, i.e. 1000 per world) on synthetic proxy outputs of
+NIH-like size (n = 8970, b = 1000), with shared batches so that the no-noise control keeps
 its power at that scale (one task: ε_LB 0.07 natural, 0.00 max-clip, 4.9 without noise, 160 s
 on 2 CPU cores; the λ audit takes about 40 minutes).
 """
@@ -101,12 +107,119 @@ class DpSgdAuditConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ReleaseAuditConfig:
+    """The audits of every release (see `experiments/audit_releases.py`).
+
+    Attributes:
+        epsilon, delta: the claim audited for DP-SGD (example and user level) and each Hot PATE
+            aggregator call.
+        clip_norm: C; learning_rate: DP-SGD step size.
+        tight_epsilons: claimed ε values of the white-box tightness audit.
+        tight_units, tight_steps, tight_rate, tight_learning_rate: its run (n units with the
+            canary, T steps, Poisson rate q, step size).
+        tight_pilot: draws per world of the claimed mechanism that choose the test.
+        tight_trials: runs per world of the implementation that evaluate it.
+        tight_control_trials: runs per world of the no-noise control.
+        chunk: tightness runs vmapped together.
+        one_run_canaries: m canaries (examples, or users) in the one-run DP-SGD audits, and
+            in D_ft of the one-run end-to-end audit.
+        one_run_steps, one_run_batch_size: that run's T and expected batch.
+        examples_per_user: G for user-level runs (real users: G consecutive digits rows).
+        user_examples, user_steps, user_batch_size: the many-run canary-user audit's data size,
+            T and expected batch (users).
+        pate_votes: h, the vote count of the PATE neighbour pairs.
+        pate_trials: aggregator calls per histogram (many-run bound).
+        pate_queries: queries of the one-run PATE audit (one canary teacher each).
+        pipeline_units: sensitive units of the end-to-end audit (digits rows; the rest of
+            digits trains the k = `pipeline_sources` public proxy models).
+        pipeline_mix_fraction: ρ, the share of units the keyed split sends to D_mix.
+        pipeline_mix_steps, pipeline_mix_batch, pipeline_mix_learning_rate: DP-MixMin stage.
+        pipeline_ft_steps, pipeline_ft_batch: DP-SGD fine-tuning stage.
+        pipeline_chunk: end-to-end runs vmapped together.
+    """
+
+    epsilon: float = 1.0
+    delta: float = 1e-5
+    clip_norm: float = 1.0
+    learning_rate: float = 1.0
+    tight_epsilons: tuple[float, ...] = (1.0, 4.0)
+    tight_units: int = 8
+    tight_steps: int = 2
+    tight_rate: float = 0.5
+    tight_learning_rate: float = 0.1
+    tight_pilot: int = 1_000_000
+    tight_trials: int = 1_000_000
+    tight_control_trials: int = 20_000
+    chunk: int = 100_000
+    one_run_canaries: int = 500
+    one_run_steps: int = 100
+    one_run_batch_size: float = 256
+    examples_per_user: int = 4
+    user_examples: int = 400
+    user_steps: int = 30
+    user_batch_size: float = 32
+    pate_votes: int = 10
+    pate_trials: int = 20_000
+    pate_queries: int = 1000
+    pipeline_units: int = 600
+    pipeline_sources: int = 4
+    pipeline_mix_fraction: float = 0.5
+    pipeline_mix_steps: int = 100
+    pipeline_mix_batch: float = 100
+    pipeline_mix_learning_rate: float = 0.1
+    pipeline_ft_steps: int = 50
+    pipeline_ft_batch: float = 64
+    pipeline_chunk: int = 400
+
+    def __post_init__(self) -> None:
+        accounting.check_epsilon(self.epsilon)
+        accounting.check_delta(self.delta)
+        _check_epsilons(self.tight_epsilons)
+        for name in ("clip_norm", "learning_rate", "tight_learning_rate", "one_run_batch_size"):
+            accounting.check_positive(getattr(self, name), name)
+        accounting.check_positive(self.user_batch_size, "user_batch_size")
+        for name in ("pipeline_mix_batch", "pipeline_mix_learning_rate", "pipeline_ft_batch"):
+            accounting.check_positive(getattr(self, name), name)
+        if not 0 < self.pipeline_mix_fraction < 1:
+            raise ValueError(
+                f"pipeline_mix_fraction must be in (0, 1), got {self.pipeline_mix_fraction!r}."
+            )
+        if not 0 < self.tight_rate <= 1:
+            raise ValueError(f"tight_rate must be in (0, 1], got {self.tight_rate!r}.")
+        for name in (
+            "tight_units",
+            "tight_steps",
+            "tight_pilot",
+            "tight_trials",
+            "tight_control_trials",
+            "chunk",
+            "one_run_canaries",
+            "one_run_steps",
+            "examples_per_user",
+            "user_examples",
+            "user_steps",
+            "pate_votes",
+            "pate_trials",
+            "pate_queries",
+            "pipeline_units",
+            "pipeline_sources",
+            "pipeline_mix_steps",
+            "pipeline_ft_steps",
+            "pipeline_chunk",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 2 - (name == "examples_per_user"):
+                raise ValueError(f"{name} must be an integer >= 2, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class AuditConfig:
     """Both audits and the statistics they share.
 
     Attributes:
         mixmin: the λ audit.
         dpsgd: the DP-SGD audit.
+        releases: the one-run, user-level, Hot PATE and tightness audits.
         trials: independent runs per world (with / without the canary) for each canary.
         chunk: trials vmapped together (bounds memory).
         confidence: confidence of the Clopper-Pearson bound.
@@ -120,6 +233,7 @@ class AuditConfig:
 
     mixmin: MixMinAuditConfig
     dpsgd: DpSgdAuditConfig
+    releases: ReleaseAuditConfig = dataclasses.field(default_factory=lambda: ReleaseAuditConfig())
     trials: int
     chunk: int
     confidence: float = 0.95

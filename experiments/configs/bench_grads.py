@@ -14,7 +14,10 @@ import dataclasses
 
 MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
 PRESETS = ("micro", "cpu", "cpu_small", "gpu")
-METHODS = ("nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "opacus_nonprivate", "opacus_dp")
+METHODS = (
+    "nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "trainer_dp", "opacus_nonprivate",
+    "opacus_dp",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,7 +125,9 @@ def get_config(preset: str = "cpu") -> BenchConfig:
                 ModelBench(model="resnet18", batch_sizes=(16,), microbatch_size=8),
                 ModelBench(model="gpt2_small", batch_sizes=(4,), microbatch_size=2, seq_len=256),
             ),
-            methods=("nonprivate", "dp_vmap", "dp_ghost", "opacus_nonprivate", "opacus_dp"),
+            methods=(
+                "nonprivate", "dp_vmap", "dp_ghost", "trainer_dp", "opacus_nonprivate", "opacus_dp"
+            ),
             warmup_steps=1, rounds=2, steps_per_round=2, mixmin_sources=(), pate_teachers=0,
             memory_analysis=False,
         )  # fmt: skip

@@ -20,18 +20,21 @@ missing inputs stop the run with a message naming every missing path. Paper sett
 proxies, GPT-2 medium downstream pretrained from random initialisation on 7.1e9 tokens of the
 λ-mixture, mixture 200 steps with η = 5.0 and clip 0.01, fine-tuning of the last two blocks and
 the head with an effective batch of 100 users, G = 15, on a 25M-token budget. Not reported in the
-paper and chosen here: the user split (80/10/10), the mixture's expected batch (6 users), the
+paper and chosen here: the user split (80/10/10), the mixture's expected batch (3 users: at
+ρ = 0.1 the hashed split gives D_mix about 12 of the 118 train users, and a batch of 6 would meet
+a D_mix of at most 6 users, Poisson rate 1, in about 4% of runs; at 3, in about 0.2%), the
 proxies' budget, the optimisers and learning rates, the fine-tuning clip norm (1.0), and m = 4
-random-search candidates; the fine-tuning steps follow from the token budget (25e6 / (100 users x
-15 rows x 1024 tokens) = 17 steps).
+random-search candidates. The fine-tuning's expected batch is 40 users, not 100: D_ft holds about
+83 users at ρ = 0.3 (about 118 train users), and a batch of 100 would sample every user in every
+step (Poisson rate 1: no amplification by sampling); the steps follow from the token budget
+(25e6 / (40 users x 15 rows x 1024 tokens) = 41 steps).
 
 The `cpu` preset runs the same code on the embedded text default (`pipeline.text_presets`: 7
 public domains, 60 synthetic e-mail users whose documents follow a known population mixture),
-a tiny GPT-2 and ρ = 0.3; about 6 minutes on 2 shared CPU cores. Measured (test perplexity, 3
-seeds, ε = 1 / 2 / 5): DP-MixMin 130 / 93 / 109, Uniform 135 / 134 / 134, Random Search 115 /
-114 / 114, non-private MixMin 109, Random Init ~500; λ cosine to the population mixture 0.63 /
-0.85 / 0.90 (Uniform 0.59, non-private MixMin 0.94). Seed standard deviations are 10-21, so only
-the ε = 2 and 5 gaps over Uniform are clear; at ε = 1 the ~11 mixture users leave λ noisy.
+a tiny GPT-2 and ρ = 0.3: the settings of `dpmix demo text`. Its measured numbers are not
+copied here (they would go stale): each run writes them to `OUT/rho0.3/results.md` and
+`results.json`, and the README's `dpmix demo text` tables are rebuilt by `dpmix report` from the
+checked-in `docs/results/demo-text.json`, with the command, date and commit that produced them.
 """
 
 from __future__ import annotations
@@ -124,7 +127,7 @@ def paper_pipeline(weights_root: str | pathlib.Path) -> TextPipelineConfig:
         proxy=TrainConfig(steps=2_000, batch_size=32, learning_rate=1e-4, log_every=100),
         shared_proxies=True,
         mixture=MixtureConfig(
-            steps=200, batch_size=6, clip_norm=0.01, learning_rate=5.0, max_examples_per_user=15
+            steps=200, batch_size=3, clip_norm=0.01, learning_rate=5.0, max_examples_per_user=15
         ),
         pretrain=TrainConfig(
             steps=13_542,  # 7.1e9 tokens / (512 rows x 1024 tokens)
@@ -136,8 +139,8 @@ def paper_pipeline(weights_root: str | pathlib.Path) -> TextPipelineConfig:
             checkpoint_every=1_000,
         ),
         finetune=TrainConfig(
-            steps=17,
-            batch_size=100,
+            steps=41,
+            batch_size=40,
             learning_rate=1e-4,
             private=True,
             level="user",

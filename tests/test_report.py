@@ -1,0 +1,205 @@
+"""Comparison outputs: tables and plots that mark reference methods, progress, generated tables."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import matplotlib
+import numpy as np
+import pytest
+
+from dpmix_jax.pipeline import common, compare, report
+
+matplotlib.use("Agg")
+
+
+def fake_results(seeds=(0, 1, 2), epsilons=(1.0, 2.0, 5.0)) -> dict:
+    """A results.json of the documented shape with known numbers (no training)."""
+    rng = np.random.default_rng(0)
+    k, runs = 4, []
+    for seed in seeds:
+        for eps in epsilons:
+            for method in common.METHODS:
+                spent = 4 * eps if method == "random_search" else eps
+                runs.append(
+                    {
+                        "method": method,
+                        "epsilon": eps,
+                        "delta": 1e-5,
+                        "seed": seed,
+                        "utility": 0.5 + 0.01 * seed + 0.1 * common.METHODS.index(method) / 5,
+                        "weights": None
+                        if method == "random_init"
+                        else rng.dirichlet(np.ones(k)).tolist(),
+                        "spent_epsilon": spent,
+                        "spent_delta": 1e-5,
+                        "stage_epsilons": {"finetune": spent},
+                        "composition": "parallel",
+                        "private": method not in ("random_search", "nonprivate_mixmin"),
+                        "extra": {},
+                    }
+                )
+    results = {
+        "dataset": "toy",
+        "metric": "test AUC",
+        "higher_is_better": True,
+        "runs": runs,
+        "true_weights": [0.4, 0.3, 0.2, 0.1],
+        "methods": dict(common.METHOD_NOTES),
+        "source_names": ["a", "b", "c", "d"],
+        "seconds": 12.0,
+        "reused_runs": 0,
+        "provenance": {"command": "dpmix demo", "date": "2026-01-01", "commit": "abc1234"},
+    }
+    compare._add_weight_quality(results, "nonprivate_mixmin")
+    return results
+
+
+def test_tables_name_reference_methods_and_explain_the_error_bars():
+    results = fake_results()
+    text = compare.markdown_table(results)
+    assert "mean ± std over 3 seeds" in text
+    assert "| random_search (non-private selection, spends 4ε) |" in text
+    assert "| nonprivate_mixmin (λ not private, only its fine-tuning is DP) |" in text
+    assert "| dp_mixmin | 0.5100 ± 0.0082 |" in text  # utilities 0.50, 0.51, 0.52
+    assert "`dpmix demo`" in text and "abc1234" in text and "2026-01-01" in text
+
+
+def test_plots_mark_reference_methods_and_explain_error_bars(monkeypatch, tmp_path):
+    from matplotlib.figure import Figure
+
+    figures = []
+    save = Figure.savefig
+
+    def keep(self, path, **kwargs):
+        figures.append((pathlib.Path(path).name, self))
+        save(self, path, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    compare.plot_results(fake_results(), tmp_path)
+    (_, utility), (_, weights) = figures
+    ax = utility.axes[0]
+    assert "mean ± std over 3 seeds" in ax.get_title()
+    legend = ax.get_legend()
+    # Below the axes, so that it hides no point.
+    assert legend.get_window_extent().y1 <= ax.get_window_extent().y0
+    styles = {bars.get_label(): bars.lines[0] for bars in ax.containers}
+    search = styles["random_search (non-private selection, spends 4ε)"]
+    assert search.get_linestyle() == "--" and search.get_markerfacecolor() == "none"
+    dp = styles["dp_mixmin"]
+    assert dp.get_linestyle() == "-" and dp.get_markerfacecolor() != "none"
+    title = weights.axes[0].get_title()
+    assert "mixture weights" in title and "± std over seeds" in title
+    assert (tmp_path / "utility_vs_epsilon.png").stat().st_size > 0
+
+
+class _FakePipeline:
+    """Reports a computed stage with steps for new runs and `reused` for stored ones."""
+
+    def __init__(self, root, stored):
+        self.root, self.stored, self.listeners = pathlib.Path(root), set(stored), []
+
+    def add_listener(self, listener):
+        self.listeners.append(listener)
+
+    def remove_listener(self, listener):
+        self.listeners.remove(listener)
+
+    def run(self, method, epsilon, seed):
+        for listener in self.listeners:
+            if (method, seed) in self.stored:
+                listener.reused(f"run_{method}")
+            else:
+                listener.stage("finetune")
+                listener.step(1, 2)
+                listener.step(2, 2)
+        return common.RunResult(
+            method=method,
+            epsilon=epsilon,
+            delta=1e-5,
+            seed=seed,
+            utility=0.5,
+            weights=None,
+            spent=common.accounting.PrivacyBudget(epsilon, 1e-5),
+            stages={},
+            composition="parallel",
+            private=True,
+            seeded=False,
+        )
+
+
+def test_a_resumed_comparison_says_what_it_reused(tmp_path, capsys):
+    fake = _FakePipeline(tmp_path / "stages", stored={("uniform", 0), ("random_init", 0)})
+    results = compare.run_comparison(
+        fake,
+        dataset="toy",
+        metric="test AUC",
+        higher_is_better=True,
+        methods=["uniform", "random_init"],
+        epsilons=[1.0],
+        seeds=[0, 1],
+        out_dir=tmp_path,
+        progress=False,
+    )
+    assert f"reused 2 finished stages from {tmp_path / 'stages'}" in capsys.readouterr().out
+    assert results["reused_runs"] == 2 and fake.listeners == []
+    assert {"command", "date", "commit", "version"} <= set(results["provenance"])
+    assert "2 of them read back from stored stages" in (tmp_path / "results.md").read_text()
+
+
+def test_the_progress_text_names_run_stage_and_step(tmp_path):
+    progress = compare._GridProgress(3, "toy", enabled=False, store=tmp_path)
+    progress.start_run("dp_mixmin ε=1 seed=0")
+    progress.stage("pretrain_0123abcd")
+    assert progress._bar.postfix.endswith("pretrain on λ (compiling)")
+    progress.step(7, 300)  # the first step after compiling is shown at once
+    assert progress._bar.postfix == "dp_mixmin ε=1 seed=0: pretrain on λ step 7/300"
+    progress.step(300, 300)
+    assert progress._bar.postfix == "dp_mixmin ε=1 seed=0: pretrain on λ step 300/300"
+
+
+def _markdown(tmp_path, *views):
+    blocks = "\n".join(f"<!-- table:toy {view} -->\nold\n<!-- /table -->\n" for view in views)
+    path = tmp_path / "README.md"
+    path.write_text(f"# Title\n\ntext before\n\n{blocks}\ntext after\n")
+    return path
+
+
+def test_report_rebuilds_tables_from_their_file_and_detects_drift(tmp_path):
+    results_dir = tmp_path / "docs" / "results"
+    results_dir.mkdir(parents=True)
+    (results_dir / "toy.json").write_text(json.dumps(fake_results()))
+    readme = _markdown(tmp_path, "utility", "budget", "weights")
+    assert len(report.check_markdown(readme, results_dir)) == 3
+    assert report.update_markdown(readme, results_dir) == [
+        "toy:utility",
+        "toy:budget",
+        "toy:weights",
+    ]
+    text = readme.read_text()
+    assert text.startswith("# Title\n\ntext before\n") and text.endswith("text after\n")
+    assert "from `docs/results/toy.json`" in text and "| dp_mixmin | 0.5100 ± 0.0082 |" in text
+    assert report.check_markdown(readme, results_dir) == []
+    readme.write_text(text.replace("0.5100 ± 0.0082", "0.5200 ± 0.0082"))
+    (stale,) = report.check_markdown(readme, results_dir)
+    assert "toy (utility)" in stale
+
+
+def test_report_names_a_missing_results_file(tmp_path):
+    readme = _markdown(tmp_path, "utility")
+    with pytest.raises(ValueError, match=r"toy\.json"):
+        report.update_markdown(readme, tmp_path / "docs" / "results")
+
+
+def test_add_results_copies_the_run_and_its_plots(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps(fake_results()))
+    (run / "weights.png").write_bytes(b"png")
+    written = report.add_results("toy", run, tmp_path / "results")
+    assert [p.name for p in written] == ["toy.json", "toy_weights.png"]
+    with pytest.raises(ValueError, match="results.json does not exist"):
+        report.add_results("toy", tmp_path / "nowhere", tmp_path / "results")
+    with pytest.raises(ValueError, match="results name"):
+        report.add_results("../x", run, tmp_path / "results")
