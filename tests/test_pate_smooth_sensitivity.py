@@ -8,29 +8,14 @@ The library's bound must never be below it (that would break privacy) and stays 
 (the PATE 2018 bounds on how far one vote move takes q are worst cases over the other tokens).
 """
 
-import itertools
 import math
 
 import numpy as np
 import pytest
+from test_pate_aggregators import all_histograms, neighbours
 
 from dpmix_jax.pate import accounting
 from dpmix_jax.pate import smooth_sensitivity as ss
-
-
-def all_histograms(n, vocab):
-    for cut in itertools.combinations(range(n + vocab - 1), vocab - 1):
-        bounds = (-1, *cut, n + vocab - 1)
-        yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(vocab))
-
-
-def neighbours(counts):
-    for a, b in itertools.permutations(range(len(counts)), 2):
-        if counts[a] > 0:
-            moved = list(counts)
-            moved[a] -= 1
-            moved[b] += 1
-            yield tuple(moved)
 
 
 def true_smooth_sensitivity(rdp_of, n, vocab, x, beta):
