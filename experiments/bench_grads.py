@@ -8,8 +8,9 @@ the median over all steps and the min-max of the per-round medians are reported)
 - nonprivate: `jax.value_and_grad` of the mean loss + optax SGD;
 - dp_vmap / dp_microbatch / dp_ghost: `privacy.make_dp_sgd_step` (clipped sum, Gaussian noise,
   division by the batch size, SGD) with the clipped sum from `train.ghost_models`;
-- trainer_dp: the `train.Trainer`'s private step as the pipelines run it (its default clipping,
-  host-side gather of the index batch, clipped sum, noise, SGD), on the same model and batch;
+- trainer_dp: the `train.Trainer`'s private step as the pipelines run it (its default clipping;
+  the index batch gathered on the host, then clipped sum, noise and SGD in one jitted call), on
+  the same model and batch;
 - opacus_nonprivate / opacus_dp: the same architecture in PyTorch, plain and through Opacus
   (`grad_sample_mode="hooks"`), with `torch.set_num_threads` = the CPU thread count JAX uses.
 
@@ -141,8 +142,8 @@ def _trainer_runner(spec: ModelBench, data: dict) -> Runner:
         jax.block_until_ready(new.params)
         state["state"] = new
 
-    # Compiled programs of the jitted clipped sum (the ghost path traces the loss twice each).
-    return Runner("trainer_dp", run, None, lambda: trainer._chunk_fn._cache_size())
+    # Compiled programs of the jitted step (clipped sum, noise and update in one call).
+    return Runner("trainer_dp", run, None, lambda: trainer._step_fn._cache_size())
 
 
 def _jax_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool) -> Runner:

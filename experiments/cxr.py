@@ -110,6 +110,7 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         examples=(
             "--preset cpu",
             f"--preset paper --nih-root data/nih --public-root data/{public}",
+            f"--preset paper --smoke --nih-root FIXTURE/nih --public-root FIXTURE/{public}",
         ),
     )
     parser.add_argument(
@@ -141,10 +142,19 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help=f"paper preset: the {public} folder in its published layout",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="with --preset paper: the paper's models, image size, k and methods, but 1-2 steps "
+        "of batch 2 per stage, one seed, ε = 1 and one finding (a test that the paper path "
+        "runs on a small folder of the real layouts; its AUCs mean nothing)",
+    )
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args(argv)
+    if args.smoke and args.preset != "paper":
+        parser.error("--smoke applies to --preset paper")
     return main(
-        get_config(public, args.preset),
+        get_config(public, args.preset, smoke=args.smoke),
         args.out,
         nih_root=args.nih_root,
         public_root=args.public_root,

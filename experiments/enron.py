@@ -90,6 +90,7 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
         examples=(
             "--preset cpu",
             "--preset paper --data-root DATA --weights-root WEIGHTS --out runs/" + name + "_paper",
+            "--preset paper --smoke --data-root FIXTURE --weights-root WEIGHTS --out DIR",
         ),
     )
     parser.add_argument(
@@ -118,10 +119,22 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
         metavar="DIR",
         help="paper preset: the folder of the GPT-2 weights (transformers format)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="with --preset paper: the paper's data layout, models, sequence length, k and "
+        "methods, but 1-2 steps of one or two units per stage, one ρ, one seed and ε = 1 (a "
+        "test that the paper path runs on a small folder; its perplexities mean nothing)",
+    )
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args(argv)
+    if args.smoke and args.preset != "paper":
+        parser.error("--smoke applies to --preset paper")
     config = configs_module.get_config(
-        args.preset, data_root=args.data_root, weights_root=args.weights_root
+        args.preset,
+        data_root=args.data_root,
+        weights_root=args.weights_root,
+        smoke_test=args.smoke,
     )
     try:
         require_paths(config.input_paths())

@@ -26,7 +26,10 @@ Command and expected results: see `experiments/configs/hot_pate.py`.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
+import math
+import os
 import pathlib
 import re
 import time
@@ -42,9 +45,10 @@ from dpmix_jax.cli import add_reproducible_flag, experiment_parser
 from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate import diversity, generation, metrics, samplers
+from dpmix_jax.pate import diversity, generation, metrics, samplers, smooth_sensitivity
 from dpmix_jax.pate.accounting import PateLedger
 from dpmix_jax.pate.teachers import InContextTeachers, build_prompts, partition_records
+from dpmix_jax.pipeline.common import fingerprint
 from dpmix_jax.privacy import SEEDED_NOTE, randomness
 from dpmix_jax.train import MetricLogger, TrainConfig, Trainer, fit, losses
 from dpmix_jax.train.pretrain import PackedMixture
@@ -247,6 +251,8 @@ class NaturalTask:
         num_records: sensitive records available to the partition.
         train_loss: (step, public training loss) pairs.
         parts: each teacher's record positions (`partition_records`).
+        heldout_perplexity: the model's per-token perplexity on held-out public documents.
+        public_train_seconds: wall time of the run that trained the tokenizer and model.
     """
 
     tokenizer: TextTokenizer
@@ -257,6 +263,8 @@ class NaturalTask:
     num_records: int
     train_loss: list[tuple[int, float]]
     parts: list[np.ndarray]
+    heldout_perplexity: float
+    public_train_seconds: float
 
 
 def sensitive_records(
@@ -279,6 +287,53 @@ def newline_tokens(tokenizer: TextTokenizer) -> tuple[int, ...]:
     return tuple(t for t in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([t]))
 
 
+def split_public(
+    documents: Sequence[Sequence[str]], every: int
+) -> tuple[list[list[str]], list[list[str]]]:
+    """Per domain: the training documents and the held-out ones (every `every`-th document)."""
+    train = [[d for i, d in enumerate(docs) if i % every != every - 1] for docs in documents]
+    heldout = [[d for i, d in enumerate(docs) if i % every == every - 1] for docs in documents]
+    return train, heldout
+
+
+def _gpt2_config(config: NaturalConfig, vocab_size: int) -> GPT2Config:
+    preset = GPT2Config.tiny if config.model == "tiny" else GPT2Config.small
+    overrides = {"n_embd": config.width, "n_layer": config.depth}
+    return preset(
+        vocab_size=vocab_size,
+        n_positions=config.seq_len,
+        **{k: v for k, v in overrides.items() if v is not None},
+    )
+
+
+def heldout_perplexity(
+    model: GPT2, tokenizer: TextTokenizer, documents: Sequence[str], seq_len: int
+) -> float:
+    """Per-token perplexity of `model` on `documents` (each led by EOS, concatenated, cut into
+    non-overlapping rows of `seq_len` tokens; every next token of a row is scored)."""
+    stream = np.concatenate(
+        [
+            np.asarray([tokenizer.eos_id, *ids], np.int32)
+            for ids in tokenizer.encode_batch(list(documents))
+        ]
+    )
+    rows = stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len)
+    if not len(rows):
+        raise ValueError(f"held-out documents hold fewer than seq_len = {seq_len} tokens.")
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def nll_sum(state, ids):
+        logits = nnx.merge(graphdef, state)(ids)[:, :-1]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
+
+    total = sum(
+        float(nll_sum(state, jnp.asarray(rows[s : s + 32]))) for s in range(0, len(rows), 32)
+    )
+    return float(np.exp(total / (rows.shape[0] * (seq_len - 1))))
+
+
 def train_public_model(
     config: NaturalConfig, tokenizer: TextTokenizer, documents: Sequence[Sequence[str]], seed: int
 ) -> tuple[GPT2, list[tuple[int, float]]]:
@@ -287,9 +342,7 @@ def train_public_model(
     Documents are packed into rows of `seq_len` tokens (`pretrain.PackedMixture`) and trained with
     the engine's public steps on the next-token loss. Returns the model and its logged losses.
     """
-    preset = GPT2Config.tiny if config.model == "tiny" else GPT2Config.small
-    model_config = preset(vocab_size=tokenizer.vocab_size, n_positions=config.seq_len)
-    model = GPT2(model_config, rngs=nnx.Rngs(seed))
+    model = GPT2(_gpt2_config(config, tokenizer.vocab_size), rngs=nnx.Rngs(seed))
     sources = [
         [np.asarray(ids, np.int32) for ids in tokenizer.encode_batch(list(domain))]
         for domain in documents
@@ -317,7 +370,117 @@ def train_public_model(
     return result.model, history
 
 
-def build_natural_task(config: HotPateConfig, *, reproducible: bool = False) -> NaturalTask:
+@dataclasses.dataclass(frozen=True)
+class PublicModel:
+    """The public tokenizer and GPT-2 with their training record.
+
+    Attributes:
+        tokenizer: byte-level BPE trained on all public documents.
+        model: GPT-2 trained on the public training documents.
+        train_loss: (step, training loss) pairs.
+        heldout_perplexity: per-token perplexity on the held-out public documents.
+        train_seconds: wall time of tokenizer + model training (the run that trained them).
+        cached: True when read back from the stage folder rather than trained by this run.
+    """
+
+    tokenizer: TextTokenizer
+    model: GPT2
+    train_loss: list[tuple[int, float]]
+    heldout_perplexity: float
+    train_seconds: float
+    cached: bool
+
+
+def _public_settings(config: HotPateConfig) -> dict:
+    """Everything the public tokenizer and model depend on (their stage folder's key)."""
+    cfg = config.natural
+    fields = (
+        "model", "width", "depth", "vocab_size", "train_steps", "batch_size", "seq_len",
+        "learning_rate", "max_public_per_domain", "heldout_every", "num_users",
+    )  # fmt: skip
+    return {
+        "stage": "hot_pate_public_model",
+        "seed": config.seed,
+        "package": importlib.metadata.version("dpmix_jax"),
+        **{name: getattr(cfg, name) for name in fields},
+    }
+
+
+def public_model(config: HotPateConfig, stages: pathlib.Path | None) -> PublicModel:
+    """The public tokenizer and GPT-2: read back from `stages/<settings fingerprint>/` when a
+    run with the same settings stored them there, else trained (and stored when `stages`).
+
+    Privacy:
+        Reads public documents only (the text default's public domains); the stored files hold
+        nothing sensitive.
+    """
+    cfg = config.natural
+    folder = None
+    if stages is not None:
+        folder = pathlib.Path(stages) / f"public_model-{fingerprint(_public_settings(config))[:16]}"
+    if folder is not None and (folder / "record.json").exists():
+        record = json.loads((folder / "record.json").read_text())
+        tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
+        model = GPT2(_gpt2_config(cfg, tokenizer.vocab_size), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        with np.load(folder / "params.npz") as stored:
+            loaded = [stored[f"leaf{i}"] for i in range(len(leaves))]
+        if [a.shape for a in loaded] != [leaf.shape for leaf in leaves]:
+            raise ValueError(f"{folder / 'params.npz'} does not match the configured GPT-2.")
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, [jnp.asarray(a) for a in loaded]))
+        _log(
+            f"(b) public model read back from {folder} (held-out perplexity "
+            f"{record['heldout_perplexity']:.1f})"
+        )
+        return PublicModel(
+            tokenizer=tokenizer,
+            model=model,
+            train_loss=[tuple(x) for x in record["train_loss"]],
+            heldout_perplexity=record["heldout_perplexity"],
+            train_seconds=record["train_seconds"],
+            cached=True,
+        )
+    start = time.perf_counter()
+    task = load_text_mixture_task(
+        seed=config.seed, num_users=cfg.num_users, max_public_per_domain=cfg.max_public_per_domain
+    )
+    public = [task.public_domains[name] for name in task.domain_names]
+    tokenizer = train_bpe_tokenizer((d for docs in public for d in docs), vocab_size=cfg.vocab_size)
+    train_docs, heldout_docs = split_public(public, cfg.heldout_every)
+    model, history = train_public_model(cfg, tokenizer, train_docs, config.seed)
+    perplexity = heldout_perplexity(
+        model, tokenizer, [d for docs in heldout_docs for d in docs], cfg.seq_len
+    )
+    seconds = time.perf_counter() - start
+    _log(f"(b) public model trained in {seconds:.0f} s; held-out perplexity {perplexity:.1f}")
+    if folder is not None:
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(tmp / "tokenizer.json")
+        leaves = jax.tree.leaves(nnx.state(model))
+        np.savez(tmp / "params.npz", **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)})
+        record = {
+            "settings": _public_settings(config),
+            "train_loss": history,
+            "heldout_perplexity": perplexity,
+            "train_seconds": seconds,
+        }
+        (tmp / "record.json").write_text(json.dumps(record, indent=1))
+        tmp.replace(folder)
+    return PublicModel(
+        tokenizer=tokenizer,
+        model=model,
+        train_loss=history,
+        heldout_perplexity=perplexity,
+        train_seconds=seconds,
+        cached=False,
+    )
+
+
+def build_natural_task(
+    config: HotPateConfig, *, reproducible: bool = False, stages: pathlib.Path | None = None
+) -> NaturalTask:
     """Tokenizer and GPT-2 on the public domains; teachers over the sensitive e-mail sentences.
 
     Privacy:
@@ -330,9 +493,8 @@ def build_natural_task(config: HotPateConfig, *, reproducible: bool = False) -> 
     task = load_text_mixture_task(
         seed=config.seed, num_users=cfg.num_users, max_public_per_domain=cfg.max_public_per_domain
     )
-    public = [task.public_domains[name] for name in task.domain_names]
-    tokenizer = train_bpe_tokenizer((d for docs in public for d in docs), vocab_size=cfg.vocab_size)
-    model, history = train_public_model(cfg, tokenizer, public, config.seed)
+    trained = public_model(config, stages)
+    tokenizer, model = trained.tokenizer, trained.model
     records = sensitive_records(
         task.sensitive.texts,
         tokenizer,
@@ -366,8 +528,10 @@ def build_natural_task(config: HotPateConfig, *, reproducible: bool = False) -> 
         instruction=instruction,
         stop_tokens=newline_tokens(tokenizer),
         num_records=len(records),
-        train_loss=history,
+        train_loss=trained.train_loss,
         parts=parts,
+        heldout_perplexity=trained.heldout_perplexity,
+        public_train_seconds=trained.train_seconds,
     )
 
 
@@ -443,6 +607,13 @@ def run_natural(config: HotPateConfig, task: NaturalTask, key) -> dict:
         "num_teachers": n,
         "num_records": task.num_records,
         "train_loss": task.train_loss,
+        "heldout_perplexity": task.heldout_perplexity,
+        "public_train_seconds": task.public_train_seconds,
+        "model_size": {
+            "n_embd": task.model.config.n_embd,
+            "n_layer": task.model.config.n_layer,
+            "parameters": sum(x.size for x in jax.tree.leaves(nnx.state(task.model, nnx.Param))),
+        },
         "thresholds": grid.tolist(),
         "steps": steps,
         "mean": mean,
@@ -453,6 +624,20 @@ def run_natural(config: HotPateConfig, task: NaturalTask, key) -> dict:
 # --------------------------------------------------------------------------------------------
 # (c) Private generation.
 # --------------------------------------------------------------------------------------------
+
+
+def marked_text(tokenizer: TextTokenizer, tokens: Sequence[int], sources: Sequence[str]) -> str:
+    """The decoded text with every run of public-fallback tokens in square brackets."""
+    pieces, run, run_source = [], [], None
+    for token, source in zip([*tokens, None], [*sources, None], strict=True):
+        if source != run_source and run:
+            text = tokenizer.decode(run)
+            pieces.append(f"[{text}]" if run_source == "public" else text)
+            run = []
+        run_source = source
+        if token is not None:
+            run.append(int(token))
+    return "".join(pieces)
 
 
 def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
@@ -466,6 +651,7 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
     teachers = task.teachers
     n = teachers.num_teachers
     public_model = make_public_model(task.model, [task.tokenizer.eos_id, *task.instruction])
+    release = release_parameters(config, n, teachers.vocab_size)
     privacy = {
         "dpws": dict(aggregator="dpws", epsilon=cfg.epsilon, delta=cfg.delta, gamma=cfg.gamma),
         "dpargmax_laplace": dict(
@@ -476,8 +662,9 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
             threshold=cfg.gnmax_threshold * n,
             sigma1=cfg.gnmax_sigma1 * n,
             sigma2=cfg.gnmax_sigma2 * n,
-            release_order=cfg.release_order,
-            release_noise_multiplier=cfg.release_noise_multiplier,
+            release_order=release["order"],
+            release_noise_multiplier=release["noise_multiplier"],
+            release_beta=release["beta"],
         ),
     }
     rows = []
@@ -494,6 +681,7 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
             )
             ledger = PateLedger()
             results = []
+            start = time.perf_counter()
             for _ in range(cfg.num_sequences):
                 key, sub = jax.random.split(key)
                 results.append(
@@ -501,6 +689,7 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
                         sub, teachers, [], run, public_model=public_model, ledger=ledger
                     )
                 )
+            seconds = time.perf_counter() - start
             last = results[-1]
             sources = [s for r in results for s in r.sources]
             queries = sum(r.num_queries for r in results)
@@ -513,9 +702,16 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
                 "queries": queries,
                 "yield": 1 - failed / max(queries, 1),
                 "fallback_fraction": sources.count("public") / max(len(sources), 1),
+                "seconds": seconds,
+                "tokens_per_s": len(sources) / seconds,
                 "tokens": [r.tokens for r in results],
+                "sources": [r.sources for r in results],
                 "texts": [
                     config.natural.instruction + task.tokenizer.decode(r.tokens) for r in results
+                ],
+                "marked_texts": [
+                    config.natural.instruction + marked_text(task.tokenizer, r.tokens, r.sources)
+                    for r in results
                 ],
             }
             if name == "confident_gnmax":
@@ -524,13 +720,63 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
                     "data_dependent": [g.epsilon_data_dependent for g in reports],
                     "data_independent": [g.epsilon_data_independent for g in reports],
                     "released": [r.released.epsilon for r in results],
+                    "release_rdp": [r.released.release_rdp for r in results],
+                    "release_noise_std": [r.released.noise_std for r in results],
                 }
             rows.append(row)
             _log(
                 f"(c) {name} {sampler}: ε = {row['epsilon']:.2f} (δ = {row['delta']:.1e}), "
-                f"yield {row['yield']:.2f}, fallback {row['fallback_fraction']:.2f}"
+                f"yield {row['yield']:.2f}, fallback {row['fallback_fraction']:.2f}, "
+                f"{row['tokens_per_s']:.2f} tokens/s; {row['texts'][0]!r}"
             )
-    return {"rows": rows}
+    tokens = sum(len(s) for row in rows for s in row["sources"])
+    seconds = sum(row["seconds"] for row in rows)
+    return {
+        "rows": rows,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "release": release,
+        "report_delta": cfg.report_delta,
+    }
+
+
+def release_parameters(config: HotPateConfig, n: int, vocab_size: int) -> dict:
+    """(λ, β, σ_s) of confident-GNMax's smooth-sensitivity release: the config's, or chosen from
+    public inputs (`smooth_sensitivity.choose_release`) when it leaves them to None.
+
+    Privacy:
+        Reads no sensitive data: the choice costs nothing.
+    """
+    cfg = config.generation
+    if cfg.release_order is not None:
+        return {
+            "order": cfg.release_order,
+            "beta": 0.49 / cfg.release_order,
+            "noise_multiplier": cfg.release_noise_multiplier,
+            "chosen": False,
+        }
+    choice = smooth_sensitivity.choose_release(
+        num_queries=cfg.max_new_tokens,
+        num_teachers=n,
+        num_classes=vocab_size,
+        threshold=cfg.gnmax_threshold * n,
+        sigma1=cfg.gnmax_sigma1 * n,
+        sigma2=cfg.gnmax_sigma2 * n,
+        delta=cfg.report_delta,
+        agreement=cfg.release_agreement,
+    )
+    _log(
+        f"(c) release chosen from public inputs: λ = {choice.order:g}, β = {choice.beta:.4f}, "
+        f"σ_s = {choice.noise_multiplier:.2f} (predicted ε {choice.predicted_epsilon:.2f})"
+    )
+    return {
+        "order": choice.order,
+        "beta": choice.beta,
+        "noise_multiplier": choice.noise_multiplier,
+        "chosen": True,
+        "predicted_epsilon": choice.predicted_epsilon,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -584,14 +830,33 @@ def plot_natural(result: dict, out: pathlib.Path) -> None:
 
 
 def markdown(result: dict) -> str:
-    lines = ["# Hot PATE", "", "## (a) Tunable diversity", ""]
+    lines = ["# Hot PATE"]
+    if "diversity" in result:
+        lines += _diversity_markdown(result["diversity"])
+    if "natural" in result:
+        lines += _natural_markdown(result["natural"], result["config"])
+    if "generation" in result:
+        lines += _generation_markdown(result["generation"])
+    if "guarantees" in result:
+        lines += _guarantee_markdown(result["guarantees"])
+    seconds = ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
+    if result["noise_seeded"]:
+        lines += ["", f"{SEEDED_NOTE} (seed {result['config']['seed']})."]
+    else:
+        lines += ["", "Private randomness secret (from the operating system)."]
+    lines += ["", f"Parts run: {', '.join(result['parts'])}. Run time: {seconds}."]
+    return "\n".join(lines) + "\n"
+
+
+def _diversity_markdown(diversity: dict) -> list[str]:
+    lines = ["", "## (a) Tunable diversity", ""]
     lines.append("T@20%: largest T with coverage >= 0.2; gain = ratio hot/cold.\n")
     lines.append(
         "| n | k | cov@n/4 hot | cov@n/4 cold | cov@n/2 hot | cov@n/2 cold | "
         "support@n/2 hot | support@n/2 cold | T@20% hot | T@20% cold | gain |"
     )
     lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in result["diversity"]["rows"]:
+    for row in diversity["rows"]:
         hot, cold = row["coordinated"], row["independent"]
         n = row["num_teachers"]
         gain = hot["threshold_at_20pct"] / max(cold["threshold_at_20pct"], 1.0)
@@ -603,14 +868,25 @@ def markdown(result: dict) -> str:
             f" | {hot['support'][-1]} | {cold['support'][-1]} | {hot['threshold_at_20pct']:.0f} |"
             f" {cold['threshold_at_20pct']:.0f} | {gain:.1f}x |"
         )
-    nat = result["natural"]
-    lines += [
+    return lines
+
+
+def _natural_markdown(nat: dict, config: dict) -> list[str]:
+    model, size = config["natural"], nat["model_size"]
+    losses_text = ", ".join(f"{loss:.2f} at step {step}" for step, loss in nat["train_loss"])
+    lines = [
         "",
         f"## (b) Natural task (n = {nat['num_teachers']} teachers over {nat['num_records']} "
-        f"records, r = {result['config']['natural']['num_histograms']}; mean over "
-        f"{len(nat['steps'])} decoding steps)",
+        f"records, r = {model['num_histograms']}; mean over {len(nat['steps'])} decoding steps)",
         "",
-        f"Decoded prefix: {nat['final_text']!r}",
+        f"Public GPT-2 (width {size['n_embd']}, {size['n_layer']} layers, "
+        f"{size['parameters']:,} parameters, BPE V = {model['vocab_size']}; "
+        f"{model['train_steps']} public steps of "
+        f"{model['batch_size']} x {model['seq_len']} tokens; training loss {losses_text} nats): "
+        f"held-out public perplexity {nat['heldout_perplexity']:.1f} per token "
+        f"(trained in {nat['public_train_seconds']:.0f} s by the run that stored it).",
+        "",
+        f"Decoded prefix (non-private average, not released): {nat['final_text']!r}",
         "",
         "| T | coverage hot | coverage cold | support hot | support cold |",
         "|---|---|---|---|---|",
@@ -629,21 +905,35 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {s} | " + " | ".join(f"{mean[k]:.0f} / {worst[k]:.0f}" for k in mean) + " |"
         )
-    lines += [
+    return lines
+
+
+def _generation_markdown(gen: dict) -> list[str]:
+    release = gen["release"]
+    conversion = math.log(1 / gen["report_delta"]) / (release["order"] - 1)
+    lines = [
         "",
         "## (c) Private generation",
         "",
-        "| aggregator | sampler | ε | δ | queries | yield | public fallback | first text |",
+        f"{gen['tokens']} tokens in {gen['seconds']:.0f} s ({gen['tokens_per_s']:.2f} tokens/s, "
+        "the teachers' forward passes and the aggregators in the loop).",
+        "",
+        "| aggregator | sampler | ε | δ | queries | yield | public fallback | tokens/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for row in result["generation"]["rows"]:
-        text = repr(row["texts"][0].strip()).replace("|", "\\|")
+    for row in gen["rows"]:
         lines.append(
             f"| {row['aggregator']} | {row['sampler']} | {row['epsilon']:.2f} | "
             f"{row['delta']:.1e} | {row['queries']} | {row['yield']:.2f} | "
-            f"{row['fallback_fraction']:.2f} | {text} |"
+            f"{row['fallback_fraction']:.2f} | {row['tokens_per_s']:.2f} |"
         )
-    for row in result["generation"]["rows"]:
+    lines += ["", "Samples (ε of the whole row's run; tokens from the public fallback in [ ]):", ""]
+    for row in gen["rows"]:
+        for text in row["marked_texts"]:
+            lines.append(
+                f"- {row['aggregator']}, {row['sampler']}, ε = {row['epsilon']:.2f}: {text!r}"
+            )
+    for row in gen["rows"]:
         if "per_sequence_epsilon" in row:
             eps = row["per_sequence_epsilon"]
             lines.append(
@@ -651,17 +941,17 @@ def markdown(result: dict) -> str:
                 + ", ".join(f"{e:.2f}" for e in eps["data_dependent"])
                 + " (not itself private); released privately by smooth sensitivity "
                 + ", ".join(f"{e:.2f}" for e in eps["released"])
+                + f" (λ = {release['order']:g}, σ_s = {release['noise_multiplier']:.2f}, "
+                + ("chosen from public inputs" if release["chosen"] else "fixed")
+                + "; the release's own RDP "
+                + ", ".join(f"{e:.2f}" for e in eps["release_rdp"])
+                + ", noise std "
+                + ", ".join(f"{e:.3f}" for e in eps["release_noise_std"])
+                + f", RDP-to-DP term {conversion:.2f})"
                 + "; data-independent "
                 + ", ".join(f"{e:.2f}" for e in eps["data_independent"])
             )
-    lines += _guarantee_markdown(result["guarantees"])
-    seconds = ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items())
-    if result["noise_seeded"]:
-        lines += ["", f"{SEEDED_NOTE} (seed {result['config']['seed']})."]
-    else:
-        lines += ["", "Private randomness secret (from the operating system)."]
-    lines += ["", f"Run time: {seconds}."]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _guarantee_markdown(guarantees: dict) -> list[str]:
@@ -690,20 +980,33 @@ def _guarantee_markdown(guarantees: dict) -> list[str]:
     return lines
 
 
+PARTS = ("diversity", "guarantees", "natural", "generation")
+
+
 def run_experiments(
-    config: HotPateConfig, task: NaturalTask | None = None, *, reproducible: bool = False
+    config: HotPateConfig,
+    task: NaturalTask | None = None,
+    *,
+    reproducible: bool = False,
+    parts: Sequence[str] = PARTS,
+    stages: pathlib.Path | None = None,
 ) -> dict:
-    """Runs (a), (b) and (c) (building the natural task unless given) with per-part timings.
+    """Runs the chosen `parts` of (a)-(d) (building the natural task unless given, with the
+    public model stored in / read back from `stages`) with per-part timings.
 
     Privacy: the samplers' and aggregators' keys derive from `config.seed` with `reproducible`
     (the result then has `noise_seeded` True), else from a secret that is never stored.
     """
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        raise ValueError(f"parts must be a non-empty subset of {PARTS}, got {list(parts)}.")
     root = config.seed if reproducible else randomness.secret_seed()
     key_div, key_nat, key_gen = jax.random.split(randomness.prng_key(root), 3)
     seconds: dict[str, float] = {}
     result = {
         "config": dataclasses.asdict(config),
         "noise_seeded": reproducible,
+        "parts": [p for p in PARTS if p in parts],
         "seconds": seconds,
     }
     start = time.perf_counter()
@@ -711,17 +1014,21 @@ def run_experiments(
     def lap(name: str) -> None:
         seconds[name] = time.perf_counter() - start - sum(seconds.values())
 
-    result["diversity"] = run_diversity(config, key_div)
-    lap("diversity")
-    result["guarantees"] = run_guarantees(config, jax.random.fold_in(key_div, 1))
-    lap("guarantees")
-    if task is None:
-        task = build_natural_task(config, reproducible=reproducible)
+    if "diversity" in parts:
+        result["diversity"] = run_diversity(config, key_div)
+        lap("diversity")
+    if "guarantees" in parts:
+        result["guarantees"] = run_guarantees(config, jax.random.fold_in(key_div, 1))
+        lap("guarantees")
+    if task is None and {"natural", "generation"} & set(parts):
+        task = build_natural_task(config, reproducible=reproducible, stages=stages)
         lap("natural_setup")
-    result["natural"] = run_natural(config, task, key_nat)
-    lap("natural")
-    result["generation"] = run_generation(config, task, key_gen)
-    lap("generation")
+    if "natural" in parts:
+        result["natural"] = run_natural(config, task, key_nat)
+        lap("natural")
+    if "generation" in parts:
+        result["generation"] = run_generation(config, task, key_gen)
+        lap("generation")
     seconds["total"] = time.perf_counter() - start
     return result
 
@@ -732,14 +1039,28 @@ def write_report(result: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hot_pate.json").write_text(json.dumps(result, indent=1))
     (out / "hot_pate.md").write_text(markdown(result))
-    plot_diversity(result["diversity"], out)
-    plot_natural(result["natural"], out)
+    if "diversity" in result:
+        plot_diversity(result["diversity"], out)
+    if "natural" in result:
+        plot_natural(result["natural"], out)
     return out
 
 
-def main(config: HotPateConfig, out_dir: str | pathlib.Path, *, reproducible: bool = False) -> dict:
-    """Runs (a), (b) and (c); writes JSON, markdown and plots to `out_dir`; returns the results."""
-    result = run_experiments(config, reproducible=reproducible)
+def main(
+    config: HotPateConfig,
+    out_dir: str | pathlib.Path,
+    *,
+    reproducible: bool = False,
+    parts: Sequence[str] = PARTS,
+) -> dict:
+    """Runs the chosen parts; writes JSON, markdown and plots to `out_dir`; returns the results.
+
+    The public tokenizer and GPT-2 are stored under `out_dir/stages/` (keyed by their settings)
+    and read back by later runs with the same settings.
+    """
+    result = run_experiments(
+        config, reproducible=reproducible, parts=parts, stages=pathlib.Path(out_dir) / "stages"
+    )
     write_report(result, out_dir)
     _log(f"done in {result['seconds']['total']:.0f} s; wrote {out_dir}")
     return result
@@ -747,7 +1068,9 @@ def main(config: HotPateConfig, out_dir: str | pathlib.Path, *, reproducible: bo
 
 if __name__ == "__main__":
     parser = experiment_parser(
-        "hot_pate", __doc__.splitlines()[0], examples=("--preset cpu", "--preset tiny")
+        "hot_pate",
+        __doc__.splitlines()[0],
+        examples=("--preset cpu", "--preset cpu --parts natural,generation", "--preset tiny"),
     )
     parser.add_argument(
         "--preset",
@@ -760,8 +1083,17 @@ if __name__ == "__main__":
         "--out",
         default="runs/hot_pate",
         metavar="DIR",
-        help="output folder for the tables, JSON and plots",
+        help="output folder for the tables, JSON, plots and stages/ (the public model)",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        metavar="LIST",
+        help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
     )
     add_reproducible_flag(parser, seeds="the config's seed")
     args = parser.parse_args()
-    main(get_config(args.preset), args.out, reproducible=args.reproducible)
+    chosen = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+    if not chosen or set(chosen) - set(PARTS):
+        parser.error(f"--parts must list some of {','.join(PARTS)}, got {args.parts!r}")
+    main(get_config(args.preset), args.out, reproducible=args.reproducible, parts=chosen)

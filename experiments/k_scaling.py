@@ -1,12 +1,17 @@
 """k-scaling study: excess MixMin loss of DP-MixMin (ε = 1) against the number of sources k.
 
-A synthetic binary task with a known optimum (`mixture_problem`): k sigmoid proxies on shared
-inputs, labels drawn from an exact mixture Σ_i λ*_i f_i(x) of a few of them. For every k and seed,
-DP-MixMin (mirror descent and Frank-Wolfe; C_k from public gradient norms, η_k = step_size / C_k,
-T and b fixed) is compared with non-private MixMin on the same split, and rerun with σ = 0 to split
-the excess into optimisation + clipping bias and noise; the log-log slope of the mean excess over
-k >= `slope_min_k` is fitted (theory for DP-SCO: 0.5). Writes `k_scaling.json`, `k_scaling.md`
-and `k_scaling.png`.
+Trained proxies (default; the paper's Appendix A.6 at CPU scale): k public label functions over
+one input set, one multi-head proxy trained on public images (one head per label function), ten
+sensitive tasks labelled by sparse mixtures of the label functions (`TrainedProxyConfig`). The
+proxy is trained once per seed with the largest k heads (cached under `DIR/proxies/`); smaller k
+use its first k heads. Synthetic proxies (`--proxies synthetic`, `mixture_problem`): k sigmoid
+proxies on Gaussian inputs with labels from an exact mixture of a few of them.
+
+For every k, seed and task, DP-MixMin (mirror descent and Frank-Wolfe, T_k and η_k from
+`schedule`, C_k from public data) is compared with non-private MixMin on the same split, and
+rerun with σ = 0 to split the excess into optimisation + clipping bias and noise; the log-log
+slope of the mean excess over k >= `slope_min_k` is fitted (theory for DP-SCO: 0.5; the paper
+measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and `k_scaling.png`.
 
     python -m experiments.k_scaling --preset cpu --out DIR
 """
@@ -15,8 +20,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import time
+from collections.abc import Iterator
 
 import matplotlib
 
@@ -27,8 +34,78 @@ import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.cli import add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.data import builtin  # noqa: E402
+from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
+from dpmix_jax.train import IndexedData, evaluate, proxies  # noqa: E402
 from experiments.configs import k_scaling as configs  # noqa: E402
+
+PAPER_SLOPE = 0.49
+NUM_DIGITS = 10
+
+
+# --------------------------------------------------------------------------------------------
+# T and η as functions of k.
+# --------------------------------------------------------------------------------------------
+
+
+def mirror_descent_steps(
+    k: int, *, num_examples: int, epsilon: float, delta: float, max_steps: int
+) -> int:
+    """T_k = min(max_steps, ⌈(nε)² / (ln k · ln(1/δ))⌉).
+
+    Entropic mirror descent from uniform weights with step η and noisy gradients G_t has excess
+    <= ln k / (ηT) + (η/2) E‖G_t‖²_∞. With ‖clipped mean‖_∞ <= C and Gaussian noise of standard
+    deviation σC/b ≈ C√(T ln(1/δ))/(nε) per coordinate (Poisson rate q, σ ≈ q√(T ln(1/δ))/ε),
+    E‖G_t‖²_∞ ≈ C²(1 + 2 ln k · T ln(1/δ)/(nε)²). With η = √(2 ln k / T)/C the optimisation term
+    C√(2 ln k / T) and the noise term C ln k √(T ln(1/δ)) · √2/(nε) balance at this T_k.
+    """
+    balanced = (num_examples * epsilon) ** 2 / (math.log(k) * math.log(1.0 / delta))
+    return max(1, min(max_steps, math.ceil(balanced)))
+
+
+def frank_wolfe_steps(
+    k: int, *, num_examples: int, epsilon: float, delta: float, max_steps: int
+) -> int:
+    """T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
+
+    Private Frank-Wolfe over the simplex (Talwar, Thakurta, Zhang 2015): the curvature term of
+    the γ_t = 2/(t + 2) schedule falls like 1/T while each noisy vertex selection costs an
+    error growing like √T · ln k · √ln(1/δ)/(nε); they balance at T ∝ (nε / (ln k √ln(1/δ)))^(2/3).
+    """
+    ratio = num_examples * epsilon / (math.log(k) * math.sqrt(math.log(1.0 / delta)))
+    return max(1, min(max_steps, math.ceil(ratio ** (2.0 / 3.0))))
+
+
+def mirror_descent_learning_rate(
+    k: int, *, steps: int, clip_norm: float, step_size: float
+) -> float:
+    """η_k = step_size · √(2 ln k / T_k) / C_k (the bound's step with gradient bound C_k)."""
+    return step_size * math.sqrt(2.0 * math.log(k) / steps) / clip_norm
+
+
+def schedule(
+    config: configs.KScalingConfig, k: int, solver: str, clip_norm: float
+) -> tuple[int, float | None]:
+    """(T_k, η_k) of `solver` for k sources (η is None for Frank-Wolfe's 2/(t + 2) steps)."""
+    budget = dict(
+        num_examples=config.num_examples,
+        epsilon=config.epsilon,
+        delta=config.delta,
+        max_steps=config.max_steps,
+    )
+    if solver == "frank_wolfe":
+        return frank_wolfe_steps(k, **budget), None
+    steps = mirror_descent_steps(k, **budget)
+    rate = mirror_descent_learning_rate(
+        k, steps=steps, clip_norm=clip_norm, step_size=config.step_size
+    )
+    return steps, rate
+
+
+# --------------------------------------------------------------------------------------------
+# Problems: synthetic proxies, or trained proxies over public label functions.
+# --------------------------------------------------------------------------------------------
 
 
 def mixture_problem(
@@ -61,10 +138,212 @@ def mixture_problem(
     return preds, true_weights
 
 
-def loglog_slope(ks: np.ndarray, values: np.ndarray, min_k: int) -> float:
-    """Least-squares slope of log(values) on log(k) over k >= min_k (values floored at 1e-12)."""
-    keep = ks >= min_k
-    return float(np.polyfit(np.log(ks[keep]), np.log(np.maximum(values[keep], 1e-12)), 1)[0])
+def digit_label_functions(count: int, *, seed: int) -> np.ndarray:
+    """`(10, count)` 0/1 membership: column i is a distinct non-empty proper subset S_i of the
+    10 digits (label function "the digit is in S_i"), in a seeded random order, so the first k
+    columns of a larger draw are the draw for k."""
+    if not 1 <= count <= configs.NUM_DIGIT_SUBSETS:
+        raise ValueError(f"count must be in [1, {configs.NUM_DIGIT_SUBSETS}], got {count}.")
+    codes = np.random.default_rng(seed).permutation(np.arange(1, 2**NUM_DIGITS - 1))[:count]
+    return ((codes[None, :] >> np.arange(NUM_DIGITS)[:, None]) & 1).astype(np.float32)
+
+
+def sparse_mixtures(
+    rng: np.random.Generator, num_mixtures: int, k: int, num_active: int
+) -> np.ndarray:
+    """`(num_mixtures, k)`: each row Dirichlet(2) weights on `num_active` random sources."""
+    weights = np.zeros((num_mixtures, k))
+    for row in weights:
+        active = rng.choice(k, size=num_active, replace=False)
+        row[active] = rng.dirichlet(np.full(num_active, 2.0))
+    return weights
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProxyData:
+    """Where the trained-proxy setting's examples come from (each `{"image", "label"}`, the
+    label an integer class whose label functions are the rows of `membership`).
+
+    Attributes:
+        public: the proxy's public training examples.
+        holdout: public examples kept out of proxy training (for C_k).
+        sensitive: the sensitive mixture split (n examples).
+        membership: `(num_classes, K)` 0/1, label function i of class c.
+    """
+
+    public: Source
+    holdout: Source
+    sensitive: Source
+    membership: np.ndarray
+
+
+def digit_proxy_data(config: configs.KScalingConfig, seed: int) -> ProxyData:
+    """MNIST-5k split at random into the sensitive split (n), the public holdout and the
+    proxy's public training pool (the rest); K digit-subset label functions."""
+    trained = config.trained
+    images, digits = builtin.mnist_5k_digits(image_size=trained.image_size)
+    total = len(images)
+    num_public = total - config.num_examples - trained.public_holdout
+    if num_public < 1:
+        raise ValueError(
+            f"num_examples ({config.num_examples}) + public_holdout ({trained.public_holdout})"
+            f" must leave public training images out of MNIST-5k's {total}."
+        )
+    public, holdout, sensitive = random_split(
+        total,
+        (num_public / total, trained.public_holdout / total, config.num_examples / total),
+        seed=seed,
+    )
+    source = ArraySource({"image": images, "label": digits})
+    return ProxyData(
+        public=SubsetSource(source, public),
+        holdout=SubsetSource(source, holdout),
+        sensitive=SubsetSource(source, sensitive),
+        membership=digit_label_functions(trained.num_label_functions, seed=seed),
+    )
+
+
+def _require_tfds(name: str, data_dir: str | None) -> None:
+    import tensorflow_datasets as tfds
+
+    if not tfds.builder(name, data_dir=data_dir).is_prepared():
+        raise ValueError(
+            f"tfds data set {name!r} is not prepared in {data_dir or 'the default tfds folder'};"
+            " prepare it there (ImageNet needs its manual download) or run --preset cpu"
+        )
+
+
+def tfds_proxy_data(config: configs.KScalingConfig, seed: int) -> ProxyData:
+    """ImageNet-2012 train (public; K classes one-vs-rest as label functions, seeded order),
+    `public_holdout` images of its validation split (public, for C_k), and `num_examples`
+    images of CIFAR-100 train (the sensitive split)."""
+    import tensorflow_datasets as tfds
+
+    from dpmix_jax.data import tfds_sources
+
+    trained = config.trained
+    for name in ("imagenet2012", "cifar100"):
+        _require_tfds(name, trained.tfds_data_dir)
+    size, data_dir = trained.image_size, trained.tfds_data_dir
+    public = tfds_sources.imagenet_source("train", data_dir=data_dir, image_size=size)
+    validation = tfds_sources.imagenet_source("validation", data_dir=data_dir, image_size=size)
+    cifar = tfds_sources.TfdsImageSource(
+        tfds.data_source("cifar100", split="train", data_dir=data_dir), image_size=size
+    )
+    for source, wanted, what in (
+        (validation, trained.public_holdout, "public_holdout"),
+        (cifar, config.num_examples, "num_examples"),
+    ):
+        if len(source) < wanted:
+            raise ValueError(f"{what} = {wanted} exceeds the {len(source)} examples available.")
+    rng = np.random.default_rng(seed)
+    num_classes = 1000
+    classes = rng.permutation(num_classes)[: trained.num_label_functions]
+    membership = np.zeros((num_classes, len(classes)), np.float32)
+    membership[classes, np.arange(len(classes))] = 1.0
+    return ProxyData(
+        public=public,
+        holdout=SubsetSource(
+            validation, np.sort(rng.permutation(len(validation))[: trained.public_holdout])
+        ),
+        sensitive=SubsetSource(cifar, np.sort(rng.permutation(len(cifar))[: config.num_examples])),
+        membership=membership,
+    )
+
+
+def _batches(source: Source, membership: np.ndarray | None):
+    """`gather(indices)` over `source` as model batches: inputs and class ids, plus the label
+    functions' values when `membership` is given."""
+
+    def gather(indices: np.ndarray) -> dict[str, np.ndarray]:
+        example = source.gather(np.asarray(indices))
+        batch = {"inputs": example["image"], "class_ids": example["label"].astype(np.int32)}
+        if membership is not None:
+            batch["labels"] = membership[example["label"]] * (np.asarray(indices) >= 0)[:, None]
+        return batch
+
+    return gather
+
+
+def proxy_outputs(
+    config: configs.KScalingConfig, seed: int, cache_dir: pathlib.Path | None
+) -> dict[str, np.ndarray]:
+    """The K-head proxy's logits and class ids on the public holdout and the sensitive split.
+
+    Trains the proxy once per seed (public data only) unless `cache_dir` holds the outputs of
+    the same settings.
+
+    Privacy: the sensitive logits and class ids are sensitive; they are read only to build the
+    `nll` matrices of the accounted DP-MixMin runs (and their non-private references).
+    """
+    trained = config.trained
+    settings = json.dumps(
+        {
+            "seed": seed,
+            "num_examples": config.num_examples,
+            "trained": dataclasses.asdict(trained),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    path = None if cache_dir is None else cache_dir / f"proxy_seed{seed}.npz"
+    if path is not None and path.exists():
+        with np.load(path, allow_pickle=False) as cached:
+            if str(cached["settings"]) == settings:
+                return {name: cached[name] for name in cached.files if name != "settings"}
+    data = (digit_proxy_data if trained.data == "digits" else tfds_proxy_data)(config, seed)
+    image_shape = data.public[0]["image"].shape
+    model = trained.model.build(image_shape, data.membership.shape[1], seed=seed)
+    fit = proxies.train_image_proxy(
+        model,
+        IndexedData(gather=_batches(data.public, data.membership), num_examples=len(data.public)),
+        trained.train,
+        rng=np.random.default_rng(seed),
+    )
+    outputs = {}
+    for split in ("holdout", "sensitive"):
+        source = getattr(data, split)
+        logits, ids = evaluate.model_outputs(
+            fit.model,
+            evaluate.outputs_and_labels("inputs", "class_ids"),
+            _batches(source, None),
+            len(source),
+            batch_size=trained.eval_batch_size,
+        )
+        outputs[f"{split}_logits"] = logits.astype(np.float32)
+        outputs[f"{split}_ids"] = ids.astype(np.int64)
+    outputs["membership"] = data.membership
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            np.savez(f, settings=np.array(settings), **outputs)
+    return outputs
+
+
+def task_labels(
+    config: configs.KScalingConfig, class_ids: np.ndarray, membership: np.ndarray, seed: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sensitive tasks' binary labels `(n, num_tasks)` and their λ* `(num_tasks, K)`.
+
+    Digits: task t is y ~ Bernoulli(Σ_i λ*_ti y_i(x)), λ*_t sparse (`sparse_mixtures`), drawn
+    with the data seed. ImageNet → CIFAR-100: task t is "CIFAR-100 class t" (λ* unknown: None).
+
+    Privacy: the labels are the sensitive data of the study.
+    """
+    trained = config.trained
+    if trained.data == "imagenet_cifar100":
+        return (class_ids[:, None] == np.arange(trained.num_tasks)).astype(np.int64), None
+    rng = np.random.default_rng([seed, 1])
+    weights = sparse_mixtures(
+        rng, trained.num_tasks, membership.shape[1], trained.num_active_sources
+    )
+    probs = membership[class_ids] @ weights.T
+    return (rng.random(probs.shape) < probs).astype(np.int64), weights
+
+
+# --------------------------------------------------------------------------------------------
+# C_k from public data.
+# --------------------------------------------------------------------------------------------
 
 
 def gradient_norms(preds: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -77,22 +356,144 @@ def gradient_norms(preds: np.ndarray, weights: np.ndarray) -> np.ndarray:
     return np.linalg.norm(np.asarray(jax.vmap(grad, in_axes=(None, 0))(weights, examples)), axis=1)
 
 
-def public_clip_norm(config: configs.KScalingConfig, num_sources: int) -> float:
-    """C_k from public data only: `clip_scale` × a quantile of gradient norms at uniform λ.
+def clip_norm_from_public(config: configs.KScalingConfig, public_preds: list[np.ndarray]) -> float:
+    """C_k = `clip_scale` × the `clip_quantile` quantile of the public problems' gradient norms
+    at uniform λ, rounded to the nearest 2^(j/4) (so that runs share compiled solvers)."""
+    k = public_preds[0].shape[1]
+    norms = np.concatenate([gradient_norms(p, np.full(k, 1.0 / k)) for p in public_preds])
+    raw = config.clip_scale * float(np.quantile(norms, config.clip_quantile))
+    return float(2.0 ** (round(4.0 * math.log2(raw)) / 4.0))
 
-    The norms come from a fresh problem of the same family (`public_seed`), standing in for the
-    public or proxy data a practitioner has; the sensitive split is never read.
-    """
-    preds, _ = mixture_problem(
-        num_examples=config.public_examples,
-        num_sources=num_sources,
-        seed=config.public_seed,
-        num_features=config.num_features,
-        support=config.support,
-        proxy_scale=config.proxy_scale,
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    """One DP-MixMin problem: a task's proxy outputs on the sensitive split, and its λ* when
+    the problem has one over these k sources."""
+
+    task: int
+    preds: np.ndarray
+    true_weights: np.ndarray | None
+
+
+def synthetic_instances(
+    config: configs.KScalingConfig, seed: int
+) -> Iterator[tuple[int, float, list[Instance]]]:
+    """(k, C_k, [one instance]) per k: a fresh synthetic problem; C_k from a public one."""
+    problem = dict(
+        num_features=config.num_features, support=config.support, proxy_scale=config.proxy_scale
     )
-    norms = gradient_norms(preds, np.full(num_sources, 1.0 / num_sources))
-    return config.clip_scale * float(np.quantile(norms, config.clip_quantile))
+    for k in config.ks:
+        public, _ = mixture_problem(
+            num_examples=config.public_examples, num_sources=k, seed=config.public_seed, **problem
+        )
+        preds, true_weights = mixture_problem(
+            num_examples=config.num_examples, num_sources=k, seed=seed, **problem
+        )
+        yield k, clip_norm_from_public(config, [public]), [Instance(0, preds, true_weights)]
+
+
+def trained_instances(
+    config: configs.KScalingConfig, seed: int, cache_dir: pathlib.Path | None
+) -> Iterator[tuple[int, float, list[Instance]]]:
+    """(k, C_k, one instance per task) per k, from the first k heads of the seed's proxy.
+
+    C_k comes from the proxy's outputs on the public holdout with stand-in tasks of the same
+    family (sparse mixtures of the label functions, drawn with `public_seed`).
+    """
+    trained = config.trained
+    outputs = proxy_outputs(config, seed, cache_dir)
+    membership = outputs["membership"]
+    labels, true_weights = task_labels(config, outputs["sensitive_ids"], membership, seed)
+    stand_in_weights = sparse_mixtures(
+        np.random.default_rng([config.public_seed, seed]),
+        trained.stand_in_tasks,
+        membership.shape[1],
+        trained.num_active_sources,
+    )
+    stand_in_probs = membership[outputs["holdout_ids"]] @ stand_in_weights.T
+    stand_in_labels = (
+        np.random.default_rng([config.public_seed, seed, 1]).random(stand_in_probs.shape)
+        < stand_in_probs
+    )
+    for k in config.ks:
+        public = [
+            proxies.nll_matrix(outputs["holdout_logits"][:, :k], stand_in_labels[:, t])
+            for t in range(trained.stand_in_tasks)
+        ]
+        instances = []
+        for t in range(trained.num_tasks):
+            weights = None if true_weights is None else true_weights[t]
+            if weights is not None and weights[k:].any():
+                weights = None  # λ* uses label functions outside these k
+            preds = proxies.nll_matrix(outputs["sensitive_logits"][:, :k], labels[:, t])
+            instances.append(Instance(t, preds.astype(np.float32), weights))
+        yield k, clip_norm_from_public(config, public), instances
+
+
+# --------------------------------------------------------------------------------------------
+# The study.
+# --------------------------------------------------------------------------------------------
+
+
+def run_instance(
+    config: configs.KScalingConfig,
+    k: int,
+    seed: int,
+    clip_norm: float,
+    instance: Instance,
+    noise_multiplier: dict[int, float],
+    *,
+    reproducible: bool,
+) -> dict:
+    """Runs both solvers (with σ and with σ = 0) on one instance; returns its row.
+
+    Privacy: the σ > 0 runs are DP-MixMin at (ε, δ) on the instance's sensitive split; the
+    reference, the σ = 0 twins and the diagnostics are not private (study measurements only).
+    """
+    preds = instance.preds
+    reference = np.asarray(
+        mixing.mixmin(
+            preds, steps=config.reference_steps, learning_rate=config.reference_learning_rate
+        )
+    )
+    uniform = np.full(k, 1.0 / k)
+    # One stream per (k, seed, task), shared by the σ > 0 run and its σ = 0 twin.
+    noise_seed = seed * 1000 + instance.task if reproducible else randomness.secret_seed()
+    row = {
+        "k": k,
+        "seed": seed,
+        "task": instance.task,
+        "clip_norm": clip_norm,
+        "clipped_at_optimum": float(np.mean(gradient_norms(preds, reference) > clip_norm)),
+        "uniform_excess": mixing.excess_loss(uniform, reference, preds),
+    }
+    if instance.true_weights is not None:
+        row["true_weights_excess"] = mixing.excess_loss(instance.true_weights, reference, preds)
+    for solver in config.solvers:
+        steps, learning_rate = schedule(config, k, solver, clip_norm)
+        row[f"{solver}_steps"] = steps
+        row[f"{solver}_learning_rate"] = learning_rate
+        excess = {}
+        for part, sigma in (("excess", noise_multiplier[steps]), ("bias", 0.0)):
+            result = mixing.dp_mixmin(
+                preds,
+                noise_multiplier=sigma,
+                delta=config.delta,
+                steps=steps,
+                batch_size=config.batch_size,
+                clip_norm=clip_norm,
+                learning_rate=learning_rate,
+                seed=noise_seed,
+                solver=solver,
+            )
+            excess[part] = mixing.excess_loss(result.weights, reference, preds)
+            if part == "excess":
+                row[f"{solver}_epsilon"] = result.epsilon
+                row[f"{solver}_cosine"] = mixing.cosine_similarity(result.weights, reference)
+        row[f"{solver}_excess"] = excess["excess"]
+        row[f"{solver}_bias"] = excess["bias"]
+        row[f"{solver}_noise"] = excess["excess"] - excess["bias"]
+    return row
 
 
 def main(
@@ -102,87 +503,66 @@ def main(
 
     Each DP run is repeated with σ = 0 (same C, η, T, b, batches): that run's excess is the
     optimisation + clipping bias, and the rest of the DP run's excess is the noise part. The
-    seeds make the data; the DP runs' noise and sampling are secret unless `reproducible`.
+    seeds make the data (and, for trained proxies, the public split and proxy); the DP runs'
+    noise and sampling are secret unless `reproducible`.
     """
+    if config.trained is not None and config.trained.data == "imagenet_cifar100":
+        for name in ("imagenet2012", "cifar100"):  # fail before any work
+            _require_tfds(name, config.trained.tfds_data_dir)
     q = min(1.0, config.batch_size / config.num_examples)
-    # One σ for every run: the rate, steps and target are the same for all k and seeds.
-    sigma = accounting.calibrate_noise_multiplier(
-        target_epsilon=config.epsilon, delta=config.delta, sampling_rate=q, steps=config.steps
-    )
+    all_steps = sorted({schedule(config, k, s, 1.0)[0] for k in config.ks for s in config.solvers})
+    # σ depends on T_k only: the rate and the target are the same for every run.
+    noise_multiplier = {
+        steps: accounting.calibrate_noise_multiplier(
+            target_epsilon=config.epsilon, delta=config.delta, sampling_rate=q, steps=steps
+        )
+        for steps in all_steps
+    }
     print(
-        f"σ = {sigma:.4f} for ε = {config.epsilon}, δ = {config.delta}, q = {q}, T = {config.steps}"
+        f"ε = {config.epsilon}, δ = {config.delta}, q = {q:.3g}; σ by T: "
+        + ", ".join(f"{t}: {s:.3f}" for t, s in noise_multiplier.items())
     )
+    cache_dir = None if out is None else out / "proxies"
     rows = []
     start = time.time()
-    for k in config.ks:
-        clip_norm = public_clip_norm(config, k)
-        for seed in config.seeds:
-            preds, true_weights = mixture_problem(
-                num_examples=config.num_examples,
-                num_sources=k,
-                seed=seed,
-                num_features=config.num_features,
-                support=config.support,
-                proxy_scale=config.proxy_scale,
-            )
-            reference = np.asarray(
-                mixing.mixmin(
-                    preds,
-                    steps=config.reference_steps,
-                    learning_rate=config.reference_learning_rate,
-                )
-            )
-            uniform = np.full(k, 1.0 / k)
-            # One stream per (k, seed), shared by the σ > 0 run and its σ = 0 twin.
-            noise_seed = seed if reproducible else randomness.secret_seed()
-            row = {
-                "k": k,
-                "seed": seed,
-                "clip_norm": clip_norm,
-                "learning_rate": config.step_size / clip_norm,
-                "clipped_at_optimum": float(np.mean(gradient_norms(preds, reference) > clip_norm)),
-                "uniform_excess": mixing.excess_loss(uniform, reference, preds),
-                "true_weights_excess": mixing.excess_loss(true_weights, reference, preds),
-            }
-            for solver in config.solvers:
-                excess = {}
-                for part, noise_multiplier in (("excess", sigma), ("bias", 0.0)):
-                    result = mixing.dp_mixmin(
-                        preds,
-                        noise_multiplier=noise_multiplier,
-                        delta=config.delta,
-                        steps=config.steps,
-                        batch_size=config.batch_size,
-                        clip_norm=clip_norm,
-                        learning_rate=row["learning_rate"] if solver == "mirror_descent" else None,
-                        seed=noise_seed,
-                        solver=solver,
+    for seed in config.seeds:
+        problems = (
+            synthetic_instances(config, seed)
+            if config.trained is None
+            else trained_instances(config, seed, cache_dir)
+        )
+        for k, clip_norm, instances in problems:
+            for instance in instances:
+                rows.append(
+                    run_instance(
+                        config,
+                        k,
+                        seed,
+                        clip_norm,
+                        instance,
+                        noise_multiplier,
+                        reproducible=reproducible,
                     )
-                    excess[part] = mixing.excess_loss(result.weights, reference, preds)
-                    if part == "excess":
-                        row[f"{solver}_epsilon"] = result.epsilon
-                        row[f"{solver}_cosine"] = mixing.cosine_similarity(
-                            result.weights, reference
-                        )
-                row[f"{solver}_excess"] = excess["excess"]
-                row[f"{solver}_bias"] = excess["bias"]
-                row[f"{solver}_noise"] = excess["excess"] - excess["bias"]
-            rows.append(row)
+                )
+            mine = rows[-len(instances) :]
             parts = ", ".join(
-                f"{s} {row[f'{s}_excess']:.2e} (bias {row[f'{s}_bias']:.1e})"
+                f"{s} {np.mean([r[f'{s}_excess'] for r in mine]):.2e}"
+                f" (bias {np.mean([r[f'{s}_bias'] for r in mine]):.1e})"
                 for s in config.solvers
             )
             print(
-                f"k = {k:4d} seed {seed}: C = {clip_norm:.1f}, clipped at optimum"
-                f" {row['clipped_at_optimum']:.1%}, excess {parts} [{time.time() - start:.0f}s]",
+                f"seed {seed} k = {k:4d}: C = {clip_norm:.1f}, {len(instances)} task(s), mean"
+                f" excess {parts} [{time.time() - start:.0f}s]",
                 flush=True,
             )
 
     summary = summarise(config, rows)
     results = {
         "config": dataclasses.asdict(config),
-        "noise_multiplier": sigma,
+        "proxies": "synthetic" if config.trained is None else "trained",
+        "noise_multipliers": {str(t): s for t, s in noise_multiplier.items()},
         "noise_seeded": reproducible,
+        "seconds": time.time() - start,
         "rows": rows,
         **summary,
     }
@@ -193,7 +573,8 @@ def main(
 
 
 def summarise(config: configs.KScalingConfig, rows: list[dict]) -> dict:
-    """Per k: mean/std of the excess and its bias and noise parts, C, clipped fraction; slopes.
+    """Per k (over seeds and tasks): mean/std of the excess and its bias and noise parts, C, T,
+    η, the clipped fraction; slopes.
 
     `slopes[name]` fits the mean total excess; `part_slopes[name]` fits the mean bias and the
     mean noise part separately (a mean <= 0 is floored at 1e-12 and makes that slope meaningless).
@@ -219,29 +600,66 @@ def summarise(config: configs.KScalingConfig, rows: list[dict]) -> dict:
         }
         for s in config.solvers
     }
+    steps = {
+        s: [next(r[f"{s}_steps"] for r in rows if r["k"] == k) for k in config.ks]
+        for s in config.solvers
+    }
     return {
         "ks": list(config.ks),
-        "clip_norms": [next(r["clip_norm"] for r in rows if r["k"] == k) for k in config.ks],
+        "clip_norms": stats("clip_norm"),
+        "steps": steps,
         "clipped_at_optimum": stats("clipped_at_optimum"),
         "excess": table,
         "parts": parts,
         "slopes": slopes,
         "part_slopes": part_slopes,
+        "max_epsilon": max(r[f"{s}_epsilon"] for r in rows for s in config.solvers),
     }
+
+
+def loglog_slope(ks: np.ndarray, values: np.ndarray, min_k: int) -> float:
+    """Least-squares slope of log(values) on log(k) over k >= min_k (values floored at 1e-12)."""
+    keep = ks >= min_k
+    return float(np.polyfit(np.log(ks[keep]), np.log(np.maximum(values[keep], 1e-12)), 1)[0])
+
+
+def _setting(config: configs.KScalingConfig) -> str:
+    if config.trained is None:
+        return (
+            f"synthetic proxies, n = {config.num_examples}, {len(config.seeds)} seeds; C_k from a"
+            " public stand-in problem"
+        )
+    trained = config.trained
+    sources = (
+        "digit-subset label functions over MNIST-5k"
+        if trained.data == "digits"
+        else "ImageNet-2012 classes, tasks: CIFAR-100 classes"
+    )
+    return (
+        f"trained {trained.num_label_functions}-head proxy ({sources}), k = its first k heads,"
+        f" {trained.num_tasks} tasks × {len(config.seeds)} seeds, n = {config.num_examples};"
+        " C_k from the proxy's outputs on a public holdout"
+    )
 
 
 def markdown(config: configs.KScalingConfig, summary: dict) -> str:
     """The summary as markdown tables (total excess; bias/noise parts) plus the fitted slopes."""
     names = [*config.solvers, "uniform"]
-    lines = ["| k | C | clipped at optimum | " + " | ".join(f"{n} excess" for n in names) + " |"]
-    lines.append("|---" * (len(names) + 3) + "|")
+    steps_head = " | ".join(f"T {s}" for s in config.solvers)
+    lines = [
+        f"| k | C_k | {steps_head} | clipped at optimum | "
+        + " | ".join(f"{n} excess" for n in names)
+        + " |"
+    ]
+    lines.append("|---" * (len(names) + len(config.solvers) + 3) + "|")
     for i, k in enumerate(summary["ks"]):
         cells = [
             f"{summary['excess'][n]['mean'][i]:.2e} ± {summary['excess'][n]['std'][i]:.1e}"
             for n in names
         ]
+        steps = " | ".join(str(summary["steps"][s][i]) for s in config.solvers)
         lines.append(
-            f"| {k} | {summary['clip_norms'][i]:.1f} | "
+            f"| {k} | {summary['clip_norms']['mean'][i]:.1f} | {steps} | "
             f"{summary['clipped_at_optimum']['mean'][i]:.1%} | " + " | ".join(cells) + " |"
         )
     heads = [f"{s} {p}" for s in config.solvers for p in ("bias (σ = 0)", "noise")]
@@ -258,13 +676,21 @@ def markdown(config: configs.KScalingConfig, summary: dict) -> str:
         f" noise {summary['part_slopes'][s]['noise']:.2f})"
         for s in config.solvers
     )
-    lines.append(f"\nlog-log slope over k >= {config.slope_min_k}: {slopes} (theory 0.5)")
-    lines.append(SEEDED_NOTE if summary.get("noise_seeded") else "DP noise and sampling secret.")
     lines.append(
-        f"C_k = {config.clip_scale} × q{config.clip_quantile:g} of public gradient norms at"
-        f" uniform λ, η_k = {config.step_size}/C_k, T = {config.steps}, b = {config.batch_size},"
-        f" n = {config.num_examples}; bias = excess of the same run with σ = 0, noise = the rest."
+        f"\nlog-log slope of the mean excess over k >= {config.slope_min_k}: {slopes};"
+        f" the paper (Appendix A.6, mirror descent): {PAPER_SLOPE} (theory 0.5)"
     )
+    lines.append(f"Setting: {_setting(config)}.")
+    lines.append(
+        f"ε = {config.epsilon} (largest accountant ε of a run: {summary['max_epsilon']:.3f}),"
+        f" δ = {config.delta}, b = {config.batch_size}; C_k = {config.clip_scale} ×"
+        f" q{config.clip_quantile:g} of public gradient norms at uniform λ (quarter-octave grid);"
+        f" mirror descent T_k = min({config.max_steps}, ⌈(nε)²/(ln k ln(1/δ))⌉),"
+        f" η_k = {config.step_size} √(2 ln k / T_k)/C_k; Frank-Wolfe"
+        f" T_k = min({config.max_steps}, ⌈(nε/(ln k √ln(1/δ)))^(2/3)⌉); bias = excess of the"
+        " same run with σ = 0, noise = the rest."
+    )
+    lines.append(SEEDED_NOTE if summary.get("noise_seeded") else "DP noise and sampling secret.")
     return "\n".join(lines)
 
 
@@ -292,7 +718,7 @@ def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> N
                 label=label,
             )
         ax.set(xscale="log", yscale="log", xlabel="number of sources k", ylabel="excess loss")
-        ax.set_title(f"{solver}, ε = {config.epsilon}, n = {config.num_examples}")
+        ax.set_title(f"{solver}, {results['proxies']} proxies, ε = {config.epsilon}", fontsize=10)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "k_scaling.png", dpi=120)
@@ -301,24 +727,34 @@ def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> N
 
 def cli() -> None:
     parser = experiment_parser(
-        "k_scaling", __doc__.splitlines()[0], examples=("--preset cpu", "--preset paper")
+        "k_scaling",
+        __doc__.splitlines()[0],
+        examples=("--preset cpu", "--preset cpu --proxies synthetic", "--preset paper"),
     )
     parser.add_argument(
         "--preset",
         default="cpu",
         choices=("cpu", "paper"),
-        help="cpu: k up to 256 sources, n = 20,000; paper: k up to 1000",
+        help="cpu: k up to 1000 trained heads on MNIST-5k (or 256 synthetic sources); paper:"
+        " ImageNet classes as sources for CIFAR-100 tasks through tfds, k up to 1000",
+    )
+    parser.add_argument(
+        "--proxies",
+        default="trained",
+        choices=configs.PROXIES,
+        help="trained: a multi-head proxy over public label functions; synthetic: sigmoid"
+        " proxies with an exact-mixture label model",
     )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("runs/k_scaling"),
         metavar="DIR",
-        help="output folder: k_scaling.json, k_scaling.md, k_scaling.png",
+        help="output folder: k_scaling.json, k_scaling.md, k_scaling.png (and the proxy cache)",
     )
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args()
-    main(configs.get_config(args.preset), args.out, reproducible=args.reproducible)
+    main(configs.get_config(args.preset, args.proxies), args.out, reproducible=args.reproducible)
 
 
 if __name__ == "__main__":

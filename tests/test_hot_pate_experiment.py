@@ -170,3 +170,35 @@ def test_guarantee_table_meets_the_theorem_for_coordinated_tws(result):
     assert ("dpws", 1.0) in table
     released = [r for r in result["generation"]["rows"] if r["aggregator"] == "confident_gnmax"]
     assert all(len(r["per_sequence_epsilon"]["released"]) >= 1 for r in released)
+
+
+def test_public_split_holds_out_every_kth_document_of_each_domain():
+    domains = [[f"a{i}" for i in range(7)], [f"b{i}" for i in range(3)]]
+    train, heldout = hot_pate.split_public(domains, every=3)
+    assert heldout == [["a2", "a5"], ["b2"]]
+    assert train == [["a0", "a1", "a3", "a4", "a6"], ["b0", "b1"]]
+
+
+def test_heldout_perplexity_of_an_untrained_model_is_about_the_vocabulary_size(tokenizer):
+    # Initial GPT-2 logits are nearly uniform: perplexity ~ V (an independent check of the sum).
+    model = GPT2(GPT2Config.tiny(vocab_size=tokenizer.vocab_size, n_positions=16), rngs=nnx.Rngs(0))
+    docs = ["Hello there. How are you?\nFine, thanks!"] * 6
+    perplexity = hot_pate.heldout_perplexity(model, tokenizer, docs, seq_len=16)
+    assert 0.8 * tokenizer.vocab_size < perplexity < 1.25 * tokenizer.vocab_size
+
+
+def test_public_model_is_stored_under_its_settings_and_read_back(tmp_path):
+    first = hot_pate.public_model(CONFIG, tmp_path)
+    assert not first.cached and 1 < first.heldout_perplexity < CONFIG.natural.vocab_size
+    second = hot_pate.public_model(CONFIG, tmp_path)
+    assert second.cached and second.heldout_perplexity == first.heldout_perplexity
+    assert second.train_loss == first.train_loss
+    ids = jnp.asarray([first.tokenizer.encode("The sales rose.")], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(second.model(ids)), np.asarray(first.model(ids)))
+    assert second.tokenizer.encode("def f(x):") == first.tokenizer.encode("def f(x):")
+    # Other settings never read this model back.
+    longer = dataclasses.replace(
+        CONFIG, natural=dataclasses.replace(CONFIG.natural, train_steps=21)
+    )
+    assert hot_pate._public_settings(longer) != hot_pate._public_settings(CONFIG)
+    assert len(list(tmp_path.iterdir())) == 1

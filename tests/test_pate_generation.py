@@ -187,13 +187,14 @@ def test_in_context_teachers_match_unbatched_forward_passes():
     model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=48), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 64, size=rng.integers(2, 12)).tolist() for _ in range(5)]
-    teachers = InContextTeachers(model, prompts, batch_size=2, length_bucket=8)
+    teachers = InContextTeachers(model, prompts, batch_size=2)
     assert isinstance(teachers, generation.Teachers) and teachers.num_teachers == 5
-    prefix = [5, 9, 11]
-    logits = np.asarray(teachers(prefix))
-    assert logits.shape == (5, 64)
-    for i, prompt in enumerate(prompts):
-        alone = model(jnp.asarray([prompt + prefix]))[0, -1]
-        np.testing.assert_allclose(logits[i], np.asarray(alone), atol=1e-4)
+    # Fresh, extended by one token (cache continued), repeated, then restarted from the prompts.
+    for prefix in ([5, 9, 11], [5, 9, 11, 2], [5, 9, 11, 2], [7], []):
+        logits = np.asarray(teachers(prefix))
+        assert logits.shape == (5, 64)
+        for i, prompt in enumerate(prompts):
+            alone = model(jnp.asarray([prompt + prefix]))[0, -1]
+            np.testing.assert_allclose(logits[i], np.asarray(alone), atol=1e-4)
     with pytest.raises(ValueError, match="tokens"):
         teachers(list(range(60)))

@@ -114,9 +114,9 @@ def independent_law(logits, temperature=1.0):
     """The exact per-teacher law of the independent sampler, read off its fixed-point tables."""
     n, vocab = logits.shape
     block, blocks, _ = samplers._padded_sizes(vocab)
-    block_cdf, local_cdf = (
-        np.asarray(t, np.float64) for t in samplers._inverse_cdf_tables(logits, temperature)
-    )
+    top, block_cdf = samplers._block_tables(logits, temperature)
+    local_cdf = samplers._local_tables(logits, top, temperature)
+    block_cdf, local_cdf = (np.asarray(t, np.float64) for t in (block_cdf, local_cdf))
     widths = np.diff(block_cdf[:, :blocks], axis=1, prepend=0.0) / 2**30
     local = np.diff(local_cdf.reshape(n, blocks, block), axis=2, prepend=0.0) / 2**30
     return (widths[:, :, None] * local).reshape(n, -1)[:, :vocab]

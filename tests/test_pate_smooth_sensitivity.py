@@ -118,3 +118,28 @@ def test_release_rejects_bad_inputs():
             np.ones((1, 3)), np.ones(1, bool), threshold=1, sigma1=1, sigma2=1, order=3.0,
             noise_multiplier=0.0, delta=1e-5,
         )  # fmt: skip
+
+
+def test_chosen_release_minimises_the_published_epsilon_of_the_public_hypothetical():
+    public = dict(threshold=20.0, sigma1=4.0, sigma2=2.0)
+    n, classes, queries, delta = 40, 10, 3, 1e-5
+    choice = ss.choose_release(
+        num_queries=queries, num_teachers=n, num_classes=classes, delta=delta, **public
+    )
+    hist = np.zeros((queries, classes))
+    hist[:, 0], hist[:, 1] = 30, 10  # agreement 0.75: 30 of 40 votes on one token
+
+    def objective(order, beta, noise_multiplier):
+        release = ss.release_data_dependent_epsilon(
+            hist, np.ones(queries, bool), order=order, beta=beta, delta=delta,
+            noise_multiplier=noise_multiplier, seed=0, **public,
+        )  # fmt: skip
+        return release.epsilon_noise_free + 2 * release.noise_std
+
+    # The prediction is the direct release computation on the stacked hypothetical queries.
+    assert choice.predicted_epsilon == pytest.approx(
+        objective(choice.order, choice.beta, choice.noise_multiplier), rel=1e-9
+    )
+    assert 0 < choice.beta < 1 / (2 * choice.order)
+    # ... and beats the fixed choice λ = 8, σ_s = 2, β = 0.49/λ.
+    assert choice.predicted_epsilon <= objective(8.0, 0.49 / 8, 2.0)

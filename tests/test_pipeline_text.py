@@ -226,6 +226,20 @@ def test_example_level_mixture_samples_documents(tmp_path):
     assert budget.epsilon <= 1.0 + 1e-6 and abs(np.sum(weights) - 1) < 1e-4
 
 
+def test_the_demo_default_puts_enough_users_in_the_mixture_stage(tmp_path):
+    """The text demo is sized for about 36 users in D_mix (200 users x 0.6 train x ρ = 0.3); with
+    fewer than 30 its λ is noise-limited and the seed spread hides DP-MixMin's gain."""
+    task = text_task()
+    assert len(task.train.users) == 200
+    pipeline = TextPipeline(task, text_demo_config(), tmp_path, reproducible=True)
+    for seed in (0, 1, 2):
+        mix, ft = pipeline.split(seed)
+        mix_users = np.unique(task.train.user_ids[mix])
+        assert len(mix_users) >= 30, f"seed {seed}: only {len(mix_users)} users in D_mix"
+        assert not set(mix_users) & set(task.train.user_ids[ft])
+        assert pipeline.config.mixture.batch_size < len(mix_users) / 4
+
+
 def test_invalid_settings_and_tasks_are_rejected(task):
     with pytest.raises(ValueError, match="finetune.level"):
         tiny_config(level="user", finetune=text_demo_config(level="example").finetune)

@@ -118,6 +118,26 @@ def test_accumulation_matches_one_chunk_and_naive_loop():
         np.testing.assert_allclose(one[k], naive[k], rtol=1e-5, atol=1e-6)
 
 
+def test_one_call_step_matches_chunked_step_and_keeps_the_initial_state():
+    indices = np.array([3, 7, 11, 20, 41, 59, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1])
+    mask = indices >= 0
+    whole = make_trainer(private_config(pad_multiple=16))
+    chunked = make_trainer(private_config(pad_multiple=16, chunk_size=4))
+    initial = jax.tree.map(np.array, whole.init_state().params)
+    fused = whole.noisy_step(whole.init_state(), gather, indices, mask)
+    stepped = chunked.noisy_step(chunked.init_state(), gather, indices, mask)
+    assert int(fused.step) == int(stepped.step) == 1
+    for k in initial:  # same clipped sum, same noise key: the same update either way
+        np.testing.assert_allclose(fused.params[k], stepped.params[k], rtol=1e-5, atol=1e-6)
+        assert not np.allclose(fused.params[k], initial[k])
+    # The step consumed (donated) its input state, never the trainer's initial parameters: a
+    # second run from a fresh initial state repeats the first exactly.
+    again = whole.noisy_step(whole.init_state(), gather, indices, mask)
+    for k in initial:
+        np.testing.assert_array_equal(whole.init_state().params[k], initial[k])
+        np.testing.assert_array_equal(again.params[k], fused.params[k])
+
+
 def test_user_level_sum_clips_each_users_mean_gradient():
     trainer = make_trainer(private_config(level="user", max_examples_per_user=3))
     params = trainer.init_state().params

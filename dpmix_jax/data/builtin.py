@@ -27,7 +27,8 @@ API:
                      sensitive={"train","val","test": ImageSplit}).public_source()
     load_digit_mixture_task(*, seed=0, image_size=28, num_public=3000, num_tasks=1,
                             num_active_sources=3, true_weights=None,
-                            split_fractions=(0.6, 0.2, 0.2))
+                            split_fractions=(0.6, 0.2, 0.2), prevalence_scales=None)
+    mnist_5k_digits(*, image_size=28) -> (images, digits)
     Canary(text, user_id, document_indices)
     TextMixtureTask(public_domains, domain_names, sensitive: UserDocuments, document_domains,
                     user_weights, population_weights, canaries, reference_canaries)
@@ -162,6 +163,14 @@ def _resize(images: np.ndarray, size: int) -> np.ndarray:
     return np.clip(out, 0.0, 1.0)[..., None].astype(np.float32)
 
 
+def mnist_5k_digits(*, image_size: int = 28) -> tuple[np.ndarray, np.ndarray]:
+    """All 5,000 MNIST-5k images, float32 (5000, S, S, 1) in [0, 1], and their digits (5000,)."""
+    if image_size < 4:
+        raise ValueError(f"image_size must be >= 4, got {image_size}")
+    images, digits = _mnist_5k()
+    return _resize(images, image_size), digits.copy()
+
+
 @dataclasses.dataclass(frozen=True)
 class ImageSplit:
     """A split of the sensitive image pool.
@@ -238,6 +247,7 @@ def load_digit_mixture_task(
     num_active_sources: int = 3,
     true_weights: np.ndarray | Sequence[Sequence[float]] | None = None,
     split_fractions: Sequence[float] = (0.6, 0.2, 0.2),
+    prevalence_scales: Sequence[float] | None = None,
 ) -> DigitMixtureTask:
     """Builds the image default from MNIST-5k (see the module docstring).
 
@@ -249,6 +259,9 @@ def load_digit_mixture_task(
         num_active_sources: sources with non-zero weight in each drawn λ* row.
         true_weights: (T, k) mixtures to use instead of drawing them.
         split_fractions: train/val/test fractions of the sensitive pool.
+        prevalence_scales: per task, a factor s_t in (0, 1]: y ~ Bernoulli(s_t Σ_i λ*_ti y_i(x)),
+            positives thinned at random for rarer labels (for s_t < 1 the label's probability
+            is no longer a mixture of the sources'). None: every s_t = 1.
 
     Privacy:
         The returned sensitive splits are the private data of the default experiments.
@@ -274,6 +287,14 @@ def load_digit_mixture_task(
         weights = np.atleast_2d(check_weights(true_weights, k))
     source_labels = _label_functions(images[sensitive], digits[sensitive], thresholds)
     probs = (source_labels @ weights.T).astype(np.float32)
+    if prevalence_scales is not None:
+        scales = np.asarray(prevalence_scales, dtype=np.float32)
+        if scales.shape != (len(weights),) or not np.all((scales > 0) & (scales <= 1)):
+            raise ValueError(
+                f"prevalence_scales must hold one factor in (0, 1] per task ({len(weights)}), "
+                f"got {list(prevalence_scales)}"
+            )
+        probs = probs * scales
     labels = (rng.random(probs.shape) < probs).astype(np.float32)
     resized = _resize(images[sensitive], image_size)
     parts = random_split(len(sensitive), split_fractions, seed=seed + 1)

@@ -30,8 +30,10 @@ API:
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import re
+import zlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -185,10 +187,18 @@ def patient_disjoint_split(
 
 
 def _read_text(path: Path) -> str:
-    """The UTF-8 text of `path` (without a byte-order mark); a ValueError names the bad line."""
+    """The UTF-8 text of `path` (without a byte-order mark; gunzipped for a `.gz` name); a
+    ValueError names the bad line."""
     if not path.is_file():
         raise ValueError(f"missing file {path}")
     data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as err:
+            raise ValueError(
+                f"{path}: not a complete gzip file ({err}); download it again"
+            ) from err
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
@@ -377,8 +387,9 @@ _CHEXPERT_PATIENT = re.compile(r"patient(\d+)")
 
 def _chexpert_image_path(root: Path, relative: str) -> Path:
     parts = Path(relative).parts
-    # CSV paths start with the data set folder name (e.g. CheXpert-v1.0-small/train/...).
-    if parts and parts[0] == root.name:
+    # CSV paths start with the data set's folder name (CheXpert-v1.0-small/train/...), which is
+    # the folder holding the CSV (`root`) under whatever name it was unpacked or renamed to.
+    if len(parts) > 1 and parts[1] in ("train", "valid", "test"):
         return root.joinpath(*parts[1:])
     return root / relative
 
@@ -420,6 +431,13 @@ def load_chexpert(
     return _build(rows, CHEXPERT_LABELS, image_size, skipped)
 
 
+def _mimic_csv(root: Path, name: str) -> Path:
+    """`mimic-cxr-2.0.0-<name>.csv.gz` (as published) if present, else the `.csv`."""
+    path = root / f"mimic-cxr-2.0.0-{name}.csv"
+    compressed = path.with_name(path.name + ".gz")
+    return compressed if compressed.is_file() else path
+
+
 def load_mimic_cxr(
     root: str | Path,
     *,
@@ -431,7 +449,8 @@ def load_mimic_cxr(
     """Loads MIMIC-CXR-JPG from `root` (the folder holding the 2.0.0 CSVs and `files/`).
 
     Labels come from `mimic-cxr-2.0.0-chexpert.csv` per (subject_id, study_id), images and views
-    from `mimic-cxr-2.0.0-metadata.csv`; `split` filters by `mimic-cxr-2.0.0-split.csv`.
+    from `mimic-cxr-2.0.0-metadata.csv`; `split` filters by `mimic-cxr-2.0.0-split.csv`. Each
+    CSV is read gzip-compressed as published (`.csv.gz`) or uncompressed (`.csv`).
     Frontal = ViewPosition PA/AP, lateral = LATERAL/LL; other positions are skipped and counted.
 
     Privacy:
@@ -439,8 +458,8 @@ def load_mimic_cxr(
     """
     root = Path(root)
     _check_options(views, on_missing)
-    label_path = root / "mimic-cxr-2.0.0-chexpert.csv"
-    meta_path = root / "mimic-cxr-2.0.0-metadata.csv"
+    label_path = _mimic_csv(root, "chexpert")
+    meta_path = _mimic_csv(root, "metadata")
     study_labels = {}
     for line, entry in _read_csv(label_path, ["subject_id", "study_id", *CHEXPERT_LABELS]):
         where = f"{label_path} row {line}"
@@ -450,7 +469,7 @@ def load_mimic_cxr(
     if split is not None:
         if split not in ("train", "validate", "test"):
             raise ValueError(f"split must be 'train', 'validate', 'test' or None, got {split!r}")
-        split_path = root / "mimic-cxr-2.0.0-split.csv"
+        split_path = _mimic_csv(root, "split")
         split_rows = _read_csv(split_path, ["dicom_id", "split"])
         wanted = {r["dicom_id"].strip() for _, r in split_rows if r["split"].strip() == split}
     rows = []

@@ -3,7 +3,7 @@
 Imports `dpmix_jax.privacy` only (plus jax, numpy, optax); knows no model and no data set.
 """
 
-from dpmix_jax.mixing import metrics, objectives, solvers
+from dpmix_jax.mixing import metrics, objectives, sample_size, solvers, subspace
 from dpmix_jax.mixing.metrics import cosine_similarity, excess_loss, l1_distance
 from dpmix_jax.mixing.objectives import (
     example_loss,
@@ -11,6 +11,13 @@ from dpmix_jax.mixing.objectives import (
     per_example_grads,
     per_example_losses,
     prepare_examples,
+)
+from dpmix_jax.mixing.sample_size import (
+    BoundTerms,
+    MixtureSizeGuide,
+    crossover_units,
+    excess_loss_bound,
+    sufficient_mixture_size,
 )
 from dpmix_jax.mixing.solvers import (
     DEFAULT_SHIFT,
@@ -22,15 +29,25 @@ from dpmix_jax.mixing.solvers import (
     run_mirror_descent,
     shifted_example_loss,
 )
+from dpmix_jax.mixing.subspace import (
+    gradient_subspace_distance,
+    projection_distance,
+    top_subspace,
+)
 
 __all__ = [
     "DEFAULT_SHIFT",
+    "BoundTerms",
     "DpMixMinResult",
+    "MixtureSizeGuide",
     "SolverTrace",
     "cosine_similarity",
+    "crossover_units",
     "dp_mixmin",
     "example_loss",
     "excess_loss",
+    "excess_loss_bound",
+    "gradient_subspace_distance",
     "l1_distance",
     "metrics",
     "mixmin",
@@ -39,8 +56,13 @@ __all__ = [
     "per_example_grads",
     "per_example_losses",
     "prepare_examples",
+    "projection_distance",
     "run_frank_wolfe",
     "run_mirror_descent",
+    "sample_size",
     "shifted_example_loss",
     "solvers",
+    "subspace",
+    "sufficient_mixture_size",
+    "top_subspace",
 ]

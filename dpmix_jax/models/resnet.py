@@ -278,9 +278,11 @@ class Bottleneck(nnx.Module):
 
 
 def _max_pool_3x3_s2(x: jax.Array) -> jax.Array:
+    # A Python -inf lets lax recognise the max monoid, which has a gradient; an array init value
+    # makes it a generic reduction that reverse-mode autodiff cannot go through.
     return jax.lax.reduce_window(
         x,
-        jnp.array(-jnp.inf, x.dtype),
+        -jnp.inf,
         jax.lax.max,
         window_dimensions=(1, 3, 3, 1),
         window_strides=(1, 2, 2, 1),

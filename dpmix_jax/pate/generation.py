@@ -80,6 +80,8 @@ class GenerationConfig:
             data-dependent ε is released privately by smooth sensitivity (None: not released);
             fix it, and `release_noise_multiplier`, before looking at the data.
         release_noise_multiplier: σ_s of that release (noise = σ_s · smooth sensitivity).
+        release_beta: its smoothness β < 1/(2λ) (None: 0.49/λ); `smooth_sensitivity.
+            choose_release` picks (λ, β, σ_s) from public inputs.
     """
 
     sampler: Literal["coordinated", "independent"] = "coordinated"
@@ -99,6 +101,7 @@ class GenerationConfig:
     report_delta: float = 1e-5
     release_order: float | None = None
     release_noise_multiplier: float = 1.0
+    release_beta: float | None = None
 
     def __post_init__(self):
         if self.sampler not in ("coordinated", "independent"):
@@ -129,6 +132,12 @@ class GenerationConfig:
                 raise ValueError("release_order applies to the confident_gnmax aggregator only.")
             if not self.release_order > 1:
                 raise ValueError(f"release_order must be > 1, got {self.release_order!r}.")
+            if self.release_beta is not None and not 0 < self.release_beta < 0.5 / (
+                self.release_order
+            ):
+                raise ValueError(
+                    f"release_beta must be in (0, 1/(2·release_order)), got {self.release_beta!r}."
+                )
         privacy.check_positive(self.release_noise_multiplier, "release_noise_multiplier")
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop_sequences must not contain an empty sequence.")
@@ -331,6 +340,7 @@ def generate(
             sigma2=config.sigma2,
             order=config.release_order,
             noise_multiplier=config.release_noise_multiplier,
+            beta=config.release_beta,
             delta=config.report_delta,
             seed=sum(int(w) << (32 * i) for i, w in enumerate(words)),  # from the run's key
         )

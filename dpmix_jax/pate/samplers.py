@@ -8,11 +8,15 @@ Both samplers take the teachers' next-token logits `(n, V)` for one decoding ste
   softmax(logits_i / t) (Gumbel-max), while teachers with similar distributions tend to agree: two
   teachers with distributions p, q agree with probability Σ_j 1 / Σ_l max(p_l/p_j, q_l/q_j).
 * Independent: every teacher draws its own vote by inverse-CDF sampling (exact two-level
-  fixed-point tables once per call, two binary searches per vote), the fair baseline:
-  `jax.random.categorical` would draw n·V noise values per histogram.
+  fixed-point tables: block masses in one pass over the logits, then the chosen block's token
+  table), the fair baseline: `jax.random.categorical` would draw n·V noise values per histogram.
 
 `coordinated_sampler` / `independent_sampler` do the per-logits set-up once and return
-`draw(key, r)`, so a decoding step's retries share it.
+`draw(key, r)`, so a decoding step's retries share it. A decoding step (r = 1) costs about one
+pass over the logits with either sampler: passes go one teacher at a time (`_row_votes`), the
+teachers' logits are checked within the same pass, and a coordinated draw of fewer than
+`_LAZY_MIN_HISTOGRAMS` histograms is the full scan even with `top_k` (the lazy set-up would cost
+more than it saves).
 
 Lazy coordinated sampler (`top_k=K`). Same law as the full scan, but the shared noise is drawn
 only where it can matter. Once per call: each teacher's K best tokens T_i and b_i = the largest
@@ -85,30 +89,34 @@ _DEFAULT_BATCH = 4  # histograms vmapped together in the lazy sampler's main pas
 _EXACT_BLOCKS = 10  # blocks (2^E - 1 best-ranked complement tokens) with exact per-teacher c_ib
 _RESCAN_TOKENS = 128  # candidate tokens of a pruned rescan (more: scan the whole vocabulary)
 _FLAT_LEADERS = 64  # largest noise values drawn first by the flat-teacher certificate
+# Fewer histograms than this are drawn by the full scan even with `top_k`: the lazy set-up (top-K,
+# plan) costs about as much as this many full-scan histograms (each one pass over the logits).
+_LAZY_MIN_HISTOGRAMS = 16
+_ROW_PASS_MIN_VOCAB = 2048  # from this V on, passes over the logits go one teacher at a time
 
 
 def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) -> tuple[int, float]:
     """Validates the public arguments; returns (num_histograms, temperature) as Python numbers
-    (NumPy scalars are accepted)."""
+    (NumPy scalars are accepted). The teachers' logits themselves are checked by the first pass
+    over them (`_check_teachers`), not by an extra one."""
     if getattr(logits, "ndim", None) != 2 or logits.shape[0] < 1 or logits.shape[1] < 1:
         shape = getattr(logits, "shape", None)
         raise ValueError(f"logits must have shape (n_teachers, vocab_size), got {shape}.")
-    _check_teachers(logits)
     return (
         privacy.check_steps(num_histograms, "num_histograms"),
         privacy.check_positive(temperature, "temperature"),
     )
 
 
-def _check_teachers(logits: jax.Array) -> None:
-    """Every teacher needs a finite logit, and no NaN or +inf one (checked on concrete logits;
-    inside a trace there is nothing to look at)."""
-    if isinstance(logits, jax.core.Tracer):
-        return
-    no_finite, not_a_logit = (np.asarray(a) for a in _teacher_problems(logits))
+def _check_teachers(row_max: jax.Array) -> None:
+    """Raises for a teacher without a finite logit or with a NaN or +inf one, given per teacher
+    the maximum of its (scaled) logits plus finite noise, which a pass over the logits computes
+    anyway: -inf exactly when every logit is -inf, NaN or +inf exactly when one is NaN or +inf
+    (maxima propagate NaN)."""
+    row_max = np.asarray(row_max)
     for bad, what in (
-        (no_finite, "no finite logit (every token -inf)"),
-        (not_a_logit, "a NaN or +inf logit"),
+        (row_max == -np.inf, "no finite logit (every token -inf)"),
+        (np.isnan(row_max) | (row_max == np.inf), "a NaN or +inf logit"),
     ):
         if bad.any():
             teachers = np.flatnonzero(bad)
@@ -119,20 +127,35 @@ def _check_teachers(logits: jax.Array) -> None:
             )
 
 
-@jax.jit
-def _teacher_problems(logits):
-    return (
-        ~jnp.any(jnp.isfinite(logits), axis=1),
-        jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=1),
-    )
-
-
 def _check_batch(batch_size: int | None) -> int | None:
     return None if batch_size is None else privacy.check_steps(batch_size, "batch_size")
 
 
 def _bincount(votes: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.zeros((vocab_size,), jnp.int32).at[votes].add(1)
+
+
+def _row_votes(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of `scaled` (n, V): the first argmax of row + noise and its maximum.
+
+    One row at a time (`lax.map`): XLA:CPU vectorises a 1-D reduction of a fused sum but not a
+    row-wise reduction of one (measured 1.5 against 8-14 reads of the logits at n = 512,
+    V = 50,257), so this is one pass over the logits at about memory speed.
+    """
+    ids = jnp.arange(scaled.shape[1], dtype=jnp.int32)
+    if scaled.shape[1] < _ROW_PASS_MIN_VOCAB:  # short rows: loop overhead would dominate
+        scores = scaled + noise
+        return _first_argmax(scores), jnp.max(scores, axis=-1)
+
+    def one(row):
+        scores = row + noise
+        best = jnp.max(scores)
+        return jnp.min(jnp.where(scores == best, ids, scaled.shape[1])), best
+
+    return jax.lax.map(one, scaled)
+
+
+_row_max = jax.jit(functools.partial(jnp.max, axis=1))  # a plain row maximum: one fast pass
 
 
 def _first_argmax(scores: jax.Array) -> jax.Array:
@@ -160,8 +183,9 @@ def coordinated_histograms(
         num_histograms: r, the number of histograms (fresh shared noise for each).
         temperature: t > 0; votes are drawn from softmax(logits / t).
         top_k: if set, the lazy sampler with K head tokens per teacher (K < V; module
-            docstring): same law as the full scan, not the same bits for the same key. It looks
-            once at the head size on the host, so call it outside `jax.jit`.
+            docstring) for draws of at least `_LAZY_MIN_HISTOGRAMS` = 16 histograms: same law
+            as the full scan, not the same bits for the same key. It looks once at the head
+            size on the host, so call it outside `jax.jit`.
         fallback_rows: with `top_k`, the failing teachers of a histogram are rescanned over V
             this many rows at a time (speed only).
         batch_size: histograms vmapped together inside `lax.map` (memory vs speed); None means
@@ -212,37 +236,54 @@ def coordinated_sampler(
     vocab = logits.shape[1]
 
     def full(key, num_histograms):
-        num_histograms = privacy.check_steps(num_histograms, "num_histograms")
         return _coordinated_full(key, logits, num_histograms, temperature, batch_size)
 
     if top_k is None:
-        return full
+        return _counted(full)
     top_k = privacy.check_steps(top_k, "top_k")
     if top_k >= vocab:
         raise ValueError(f"top_k must be an integer in [1, vocab_size = {vocab}), got {top_k}.")
     fallback_rows = min(privacy.check_steps(fallback_rows, "fallback_rows"), logits.shape[0])
-    scaled = _scale(logits, temperature)
-    values, indices = _top_k(scaled, top_k)
-    head_tokens, in_head = _head(values, indices, vocab)
-    width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
-    if width is None:
-        if vocab < 4 * _FLAT_LEADERS:
-            return full
-        flat_batch = _DEFAULT_BATCH if batch_size is None else batch_size
+    prepared: list[Draw] = []
 
-        def flat(key, num_histograms):
-            num_histograms = privacy.check_steps(num_histograms, "num_histograms")
-            return _coordinated_flat(key, scaled, num_histograms, fallback_rows, flat_batch)
+    def lazy_draw() -> Draw:
+        """The lazy path's set-up, done on the first draw that needs it."""
+        if prepared:
+            return prepared[0]
+        scaled = _scale(logits, temperature)
+        _check_teachers(_row_max(scaled))
+        values, indices = _top_k(scaled, top_k)
+        head_tokens, in_head = _head(values, indices, vocab)
+        width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
+        chosen_batch = _DEFAULT_BATCH if batch_size is None else batch_size
+        if width is None and vocab < 4 * _FLAT_LEADERS:
+            prepared.append(full)
+        elif width is None:
+            prepared.append(
+                lambda key, r: _coordinated_flat(key, scaled, r, fallback_rows, chosen_batch)
+            )
+        else:
+            plan = _plan(scaled, values, head_tokens, in_head, width)
+            prepared.append(
+                lambda key, r: _coordinated_lazy(key, scaled, plan, r, fallback_rows, chosen_batch)
+            )
+        return prepared[0]
 
-        return flat
-    plan = _plan(scaled, values, head_tokens, in_head, width)
-    lazy_batch = _DEFAULT_BATCH if batch_size is None else batch_size
+    def draw(key, num_histograms):
+        if num_histograms < _LAZY_MIN_HISTOGRAMS:  # the set-up would cost more than it saves
+            return full(key, num_histograms)
+        return lazy_draw()(key, num_histograms)
 
-    def lazy(key, num_histograms):
-        num_histograms = privacy.check_steps(num_histograms, "num_histograms")
-        return _coordinated_lazy(key, scaled, plan, num_histograms, fallback_rows, lazy_batch)
+    return _counted(draw)
 
-    return lazy
+
+def _counted(draw: Draw) -> Draw:
+    """`draw` with its `num_histograms` validated."""
+
+    def checked(key, num_histograms):
+        return draw(key, privacy.check_steps(num_histograms, "num_histograms"))
+
+    return checked
 
 
 def _head_width(size: int, vocab: int) -> int | None:
@@ -263,15 +304,29 @@ def _divide(logits, temperature):
     return logits.astype(jnp.float32) / temperature
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _coordinated_full(key, logits, num_histograms, temperature, batch_size):
+    """The full scan: every teacher's vote is the first argmax of x_i + g; the teachers are
+    checked on the first histogram's row maxima (no extra pass)."""
+    histograms, row_max = _coordinated_full_pass(
+        key, logits, num_histograms, temperature, batch_size
+    )
+    _check_teachers(row_max)
+    return histograms
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _coordinated_full_pass(key, logits, num_histograms, temperature, batch_size):
     scaled = _scale(logits, temperature)
     vocab = scaled.shape[1]
 
     def one(k):
-        return _bincount(_first_argmax(scaled + jax.random.gumbel(k, (vocab,))), vocab)
+        votes, best = _row_votes(scaled, jax.random.gumbel(k, (vocab,)))
+        return _bincount(votes, vocab), best
 
-    return jax.lax.map(one, jax.random.split(key, num_histograms), batch_size=batch_size)
+    histograms, best = jax.lax.map(
+        one, jax.random.split(key, num_histograms), batch_size=batch_size
+    )
+    return histograms, best[0]
 
 
 _CHUNK = 128  # tokens per chunk in the two-stage top-K
@@ -549,7 +604,7 @@ def _certify_then_rescan(keys, scaled, column_max, certify, complete, fallback_r
 
             def some_rows(j, row_votes):
                 some = jax.lax.dynamic_slice(rows, (j * fallback_rows,), (fallback_rows,))
-                rescanned = _first_argmax(scaled[jnp.minimum(some, n - 1)] + noise)
+                rescanned, _ = _row_votes(scaled[jnp.minimum(some, n - 1)], noise)
                 return row_votes.at[some].set(rescanned, mode="drop")
 
             count = -(-jnp.sum(failing[h]) // fallback_rows)
@@ -572,9 +627,11 @@ def independent_histograms(
 ) -> jax.Array:
     """Independent vote histograms by inverse-CDF sampling (the cold-PATE baseline).
 
-    Once per call, per teacher: two-level fixed-point tables (block masses, then token weights
-    within each block of 256, as integers in units of 2^-30 of their total, so the cumulative
-    sums are exact); each vote is two binary searches with two 30-bit uniforms. Every token's
+    Once per call, per teacher (one pass over the logits): the block table, the masses of blocks
+    of 256 tokens as integers in units of 2^-30 of their total (cumulative sums exact); per
+    vote a block by binary search, then a token within it by the block's own fixed-point table
+    (built per vote for fewer than 64 histograms, for every block once for more), with two
+    30-bit uniforms. Every token's
     probability is its float32 softmax probability up to float32 rounding and 2^-30 of its block
     (total variation ~1e-7 at V = 50,257, against ~1e-3 for a float32 cumulative sum over V).
     Tokens of probability 0 have empty intervals and never get votes.
@@ -603,26 +660,37 @@ def independent_histograms(
 def independent_sampler(
     logits: jax.Array, *, temperature: float = 1.0, batch_size: int | None = 1024
 ) -> Draw:
-    """`independent_histograms` with its set-up (checks, inverse-CDF tables) done once: the
-    returned `draw(key, r)` gives the same histograms as `independent_histograms(key, logits,
-    r, ...)` and only draws.
+    """`independent_histograms` with its set-up (checks, block tables: one pass over the logits)
+    done once: the returned `draw(key, r)` gives the same histograms as
+    `independent_histograms(key, logits, r, ...)` and only draws.
 
     Privacy: as `independent_histograms`.
     """
     _, temperature = _check_inputs(logits, 1, temperature)
     batch_size = _check_batch(batch_size)
-    tables = _inverse_cdf_tables(logits, temperature)
+    top, block_cdf = _block_tables(logits, temperature)
+    _check_teachers(top)
     vocab = logits.shape[1]
+    local: list[jax.Array] = []
 
     def draw(key, num_histograms):
         num_histograms = privacy.check_steps(num_histograms, "num_histograms")
-        return _independent(key, tables, vocab, num_histograms, batch_size)
+        if num_histograms < _TABLE_MIN_HISTOGRAMS:  # each vote's block table, built on the fly
+            return _independent_lazy(
+                key, logits, top, block_cdf, temperature, num_histograms, batch_size
+            )
+        if not local:
+            local.append(_local_tables(logits, top, temperature))
+        return _independent(key, (block_cdf, local[0]), vocab, num_histograms, batch_size)
 
     return draw
 
 
 _FIXED_ONE = 2**30  # fixed-point unit of the independent sampler's tables (u < 2^30)
 _BLOCK = 256  # tokens per block of the independent sampler's two-level tables
+# Fewer histograms than this build the chosen blocks' token tables per vote (n·B work per
+# histogram) instead of every block's once (about three passes over the logits).
+_TABLE_MIN_HISTOGRAMS = 64
 
 
 def _fixed_point(weights):
@@ -656,28 +724,57 @@ def _padded_sizes(vocab: int) -> tuple[int, int, int]:
     return block, blocks, 2 ** int(np.ceil(np.log2(max(blocks, 2))))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _inverse_cdf_tables(logits, temperature):
-    """Two-level fixed-point inverse-CDF tables of softmax(logits / t), per teacher.
+def _blocks_of(row, temperature):
+    """One teacher's scaled logits x = row / t as (blocks, B), padded with -inf."""
+    block, blocks, _ = _padded_sizes(row.shape[0])
+    x = row.astype(jnp.float32) / temperature
+    return jnp.pad(x, (0, blocks * block - row.shape[0]), constant_values=-jnp.inf).reshape(
+        blocks, block
+    )
 
-    Returns (block_cdf (n, NB) int32, local_cdf (n, blocks·B) int32): inclusive cumulative
-    sums of the block masses and of each block's token weights, each in units of 2^-30 of the
-    (block) total. A vote draws a block with probability W_b / 2^30, then a token within it with
-    probability w_j / 2^30, so P(j) = m_b/M · p_j/m_b · (1 + float32 rounding) = p_j / M up to
-    float32 resolution and 2^-30 units; the float32 error of the block sums m_b cancels.
+
+def _token_cdf(x_blocks, top):
+    """Inclusive fixed-point cumulative weights of tokens within their blocks: exp(x - max_j x)
+    per block in units of 2^-30 of the block total (`_fixed_point`, exact integer sums)."""
+    return _block_cumsum(_fixed_point(jnp.exp(x_blocks - top[..., None, None])))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _block_tables(logits, temperature):
+    """Per teacher, max_j x_ij (x = logits / t; it also checks the teacher, `_check_teachers`)
+    and the block table: the inclusive cumulative sums (n, NB) int32 of the block masses
+    Σ_{j ∈ b} exp(x_ij - max_j x_ij), in units of 2^-30 of their total. One pass over the logits,
+    one teacher at a time (`_row_votes` says why).
+
+    A vote draws a block with probability W_b / 2^30, then a token within it with probability
+    w_j / 2^30 (`_token_cdf`), so P(j) = m_b/M · p_j/m_b · (1 + float32 rounding) = p_j / M up
+    to float32 resolution and 2^-30 units; the float32 error of the block sums m_b cancels.
     Integer sums are exact, unlike a float32 cumulative sum over V (whose interval widths are
     quantised to ulp(cdf), a total variation of ~1e-3 on flat teachers at V = 50,257).
     """
-    x = logits.astype(jnp.float32) / temperature
-    n, vocab = x.shape
-    block, blocks, padded = _padded_sizes(vocab)
-    weights = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
-    weights = jnp.pad(weights, ((0, 0), (0, blocks * block - vocab))).reshape(n, blocks, block)
-    local_cdf = _block_cumsum(_fixed_point(weights)).reshape(n, blocks * block)
-    block_cdf = jnp.cumsum(_fixed_point(jnp.sum(weights, axis=-1)), axis=-1)
+    _, blocks, padded = _padded_sizes(logits.shape[1])
+
+    def one(row):
+        x = _blocks_of(row, temperature)
+        top = jnp.max(x)
+        return top, jnp.sum(jnp.exp(x - top), axis=-1)
+
+    top, sums = jax.lax.map(one, logits)
+    block_cdf = jnp.cumsum(_fixed_point(sums), axis=-1)
     # Padding blocks end at 2^30 > every u: never drawn.
     block_cdf = jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
-    return block_cdf, local_cdf
+    return top, block_cdf
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _local_tables(logits, top, temperature):
+    """Every block's token table (`_token_cdf`), (n, blocks·B) int32, one teacher at a time."""
+
+    def one(args):
+        row, row_top = args
+        return _token_cdf(_blocks_of(row, temperature), row_top).reshape(-1)
+
+    return jax.lax.map(one, (logits, top))
 
 
 def _count_at_most(cdf, start, u, width):
@@ -692,6 +789,11 @@ def _count_at_most(cdf, start, u, width):
     return count
 
 
+def _uniforms(key, n):
+    """Two uniforms on [0, 2^30) per teacher (block, then token within it)."""
+    return (jax.random.bits(key, (2, n), jnp.uint32) >> 2).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
 def _independent(key, tables, vocab, num_histograms, batch_size):
     block_cdf, local_cdf = tables
@@ -699,9 +801,29 @@ def _independent(key, tables, vocab, num_histograms, batch_size):
     block, _, padded = _padded_sizes(vocab)
 
     def one(k):
-        u = (jax.random.bits(k, (2, n), jnp.uint32) >> 2).astype(jnp.int32)  # uniform on [0, 2^30)
+        u = _uniforms(k, n)
         chosen = _count_at_most(block_cdf, jnp.zeros(n, jnp.int32), u[0], padded)
         votes = chosen * block + _count_at_most(local_cdf, chosen * block, u[1], block)
+        return _bincount(votes, vocab)
+
+    return jax.lax.map(one, jax.random.split(key, num_histograms), batch_size=batch_size)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _independent_lazy(key, logits, top, block_cdf, temperature, num_histograms, batch_size):
+    """`_independent` with each vote's block table built from its block's B logits (the same
+    table `_local_tables` holds), for a few histograms."""
+    n, vocab = logits.shape
+    block, _, padded = _padded_sizes(vocab)
+    offsets = jnp.arange(block, dtype=jnp.int32)
+
+    def one(k):
+        u = _uniforms(k, n)
+        chosen = _count_at_most(block_cdf, jnp.zeros(n, jnp.int32), u[0], padded)
+        columns = chosen[:, None] * block + offsets
+        x = jnp.take_along_axis(logits, columns, axis=1, mode="fill", fill_value=-jnp.inf)
+        cdf = _token_cdf(x.astype(jnp.float32)[:, None] / temperature, top)[:, 0]
+        votes = chosen * block + jnp.sum(cdf <= u[1][:, None], axis=1, dtype=jnp.int32)
         return _bincount(votes, vocab)
 
     return jax.lax.map(one, jax.random.split(key, num_histograms), batch_size=batch_size)

@@ -22,7 +22,9 @@ mechanism, at one Rényi order λ fixed in advance:
    the published value: ε̃ = R̃ + ρ + ln(1/δ)/(λ - 1).
 
 The noise multiplier σ_s and λ must be chosen without looking at the sensitive data (e.g. from a
-public dry run); `suggested_noise_multiplier` gives PATE's choice for a guessed SS.
+public dry run); `suggested_noise_multiplier` gives PATE's choice for a guessed SS, and
+`choose_release` picks (λ, β, σ_s) on a grid by the ε a public hypothetical run would publish
+(no privacy cost, unlike choosing the order on the sensitive run's own ε).
 
 Example:
     >>> import numpy as np
@@ -48,7 +50,9 @@ from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import randomness
 
 __all__ = [
+    "ReleaseChoice",
     "SmoothRelease",
+    "choose_release",
     "gnmax_local_sensitivity",
     "gnss_rdp",
     "release_data_dependent_epsilon",
@@ -214,6 +218,112 @@ def suggested_noise_multiplier(smooth_sens: float, order: float, beta: float | N
     return (order * math.exp(2 * beta) / privacy.check_positive(smooth_sens, "smooth_sens")) ** (
         1 / 3
     )
+
+
+_RELEASE_ORDERS = (
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    8.0,
+    10.0,
+    12.0,
+    16.0,
+    20.0,
+    24.0,
+    32.0,
+    48.0,
+    64.0,
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReleaseChoice:
+    """Public parameters of a smooth-sensitivity release (`choose_release`).
+
+    Attributes:
+        order, beta, noise_multiplier: λ, β and σ_s for `release_data_dependent_epsilon`.
+        predicted_epsilon: the objective at the choice (published ε of the hypothetical run plus
+            `spread` standard deviations of its noise).
+    """
+
+    order: float
+    beta: float
+    noise_multiplier: float
+    predicted_epsilon: float
+
+
+def choose_release(
+    *,
+    num_queries: int,
+    num_teachers: int,
+    num_classes: int,
+    threshold: float,
+    sigma1: float,
+    sigma2: float,
+    delta: float,
+    orders: tuple[float, ...] = _RELEASE_ORDERS,
+    beta_fractions: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.49),
+    noise_multipliers: tuple[float, ...] = tuple(np.geomspace(0.25, 64.0, 33)),
+    spread: float = 2.0,
+    agreement: float = 0.75,
+) -> ReleaseChoice:
+    """(λ, β = f/λ, σ_s) on a grid, chosen from public inputs only.
+
+    The objective is what a hypothetical run would publish: `num_queries` answered queries, each
+    with a share `agreement` of the `num_teachers` votes on one of `num_classes` tokens and the
+    rest on a second one (the closest race for its votes), released at (λ, β, σ_s):
+    its R + ρ + ln(1/δ)/(λ - 1) plus `spread` standard deviations SS·σ_s of the release noise.
+    The hypothetical's R and LS(d) are sums of identical per-query terms. The choice depends on
+    the mechanism's public parameters alone, so it costs no privacy, unlike picking the order
+    that minimises the sensitive run's own ε.
+
+    Privacy:
+        Reads no sensitive data.
+    """
+    privacy.check_steps(num_queries, "num_queries")
+    privacy.check_steps(num_teachers, "num_teachers")
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
+    privacy.check_delta(delta)
+    if not 0.5 < agreement <= 1:
+        raise ValueError(f"agreement must be in (0.5, 1], got {agreement!r}.")
+    counts = np.zeros(num_classes)
+    counts[0] = round(agreement * num_teachers)
+    counts[1] = num_teachers - counts[0]
+    log_q = accounting.gnmax_log_q(counts, sigma2)
+    best = None
+    for order in orders:
+        rdp = num_queries * (
+            _threshold_rdp(int(counts[0]), threshold, sigma1, order)
+            + _rdp_gnmax(log_q, sigma2, order)
+        )
+        ls = num_queries * (
+            threshold_local_sensitivity(counts, threshold, sigma1, order)
+            + gnmax_local_sensitivity(counts, sigma2, order)
+        )
+        conversion = math.log(1 / delta) / (order - 1)
+        for fraction in beta_fractions:
+            beta = fraction / order
+            smooth = smooth_sensitivity(ls, beta)
+            for multiplier in noise_multipliers:
+                value = (
+                    rdp
+                    + gnss_rdp(beta, multiplier, order)
+                    + conversion
+                    + spread * smooth * multiplier
+                )
+                if best is None or value < best.predicted_epsilon:
+                    best = ReleaseChoice(
+                        order=float(order),
+                        beta=float(beta),
+                        noise_multiplier=float(multiplier),
+                        predicted_epsilon=float(value),
+                    )
+    return best
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

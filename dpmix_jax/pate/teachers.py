@@ -3,9 +3,8 @@
 * `partition_records`: a partition of sensitive records into n disjoint parts in which each
   record's part is a keyed hash of its own id (`privacy.assign_parts`).
 * `build_prompts`: one in-context prompt per teacher from its own part only.
-* `InContextTeachers`: n prompts over one Flax GPT-2; the prompts (plus the shared generated
-  prefix) are batched, right-padded to a common bucketed length, and each teacher's logits are read
-  at its own last real position (causal attention makes right padding exact without a mask).
+* `InContextTeachers`: n prompts over one Flax GPT-2; the prompts are left-padded, run once into
+  a KV cache, and each call runs only the shared generated prefix's new tokens after it.
 * `TableTeachers`: synthetic teachers whose logits depend on the last token (a per-teacher Markov
   table), for tests and experiments that need a known ground truth.
 
@@ -88,25 +87,31 @@ def build_prompts(
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _last_logits(graphdef, state, input_ids, last):
+def _extend(graphdef, state, input_ids, cache, attention_mask):
+    """The last position's logits after `input_ids` and the extended KV cache."""
     model = nnx.merge(graphdef, state)
-    logits = model(input_ids)
-    return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+    logits, cache = model.extend(input_ids, cache, attention_mask=attention_mask)
+    return logits[:, -1], cache
 
 
 class InContextTeachers:
     """In-context teachers: one GPT-2, one private prompt per teacher.
 
+    The prompts are left-padded to a common length and run once through the model into a KV
+    cache (`GPT2.extend`); a call then runs only the shared prefix's tokens after it, and
+    continues from the previous call's cache when its prefix extends the previous prefix (a
+    decoding loop runs one token per step). The logits equal the full forward pass over prompt +
+    prefix (padding takes no position and is never attended to).
+
     Args:
         model: a `dpmix_jax.models.gpt2.GPT2`.
         prompts: one token list per teacher (see `build_prompts`).
         batch_size: teachers per forward pass (the ensemble is padded to a multiple of it).
-        length_bucket: sequences are right-padded to a multiple of this, so a decoding loop
-            compiles once per bucket rather than once per step.
-        pad_id: the padding token (never attended to by real tokens: padding is on the right).
+        pad_id: the padding token id (masked out).
 
     Privacy:
-        Teacher i's logits depend on its own prompt only (and on the shared public prefix).
+        Teacher i's logits depend on its own prompt only (and on the shared public prefix); its
+        cache rows hold its own prompt's keys and values, as sensitive as the prompt.
     """
 
     def __init__(
@@ -115,26 +120,60 @@ class InContextTeachers:
         prompts: Sequence[Sequence[int]],
         *,
         batch_size: int = 64,
-        length_bucket: int = 16,
         pad_id: int = 0,
     ):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("need at least one teacher, and every prompt must be non-empty.")
-        if batch_size < 1 or length_bucket < 1:
-            raise ValueError(
-                f"batch_size and length_bucket must be >= 1, got {batch_size}, {length_bucket}."
-            )
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self._model = model
         self._graphdef, self._state = nnx.split(model)
         self._prompts = [list(map(int, p)) for p in prompts]
         self._max_len = int(model.config.n_positions)
+        self._width = max(map(len, self._prompts))
+        if self._width > self._max_len:
+            raise ValueError(
+                f"a prompt has {self._width} tokens, more than the model's {self._max_len}."
+            )
         self._batch_size = min(batch_size, len(prompts))
-        self._bucket = length_bucket
         self._pad_id = pad_id
         self.vocab_size = int(model.config.vocab_size)
+        self._prompt_state = None  # (caches, logits) after the prompts alone, built on first use
+        self._last = None  # (prefix, caches, logits) of the latest call
 
     @property
     def num_teachers(self) -> int:
         return len(self._prompts)
+
+    def _run(self, caches, ids, mask=None):
+        """Runs `ids` (rows, T) after `caches` batch by batch; (logits (n, V), new caches)."""
+        outputs, new_caches = [], []
+        for b, cache in enumerate(caches):
+            rows = slice(b * self._batch_size, (b + 1) * self._batch_size)
+            batch_mask = None if mask is None else jnp.asarray(mask[rows])
+            logits, cache = _extend(
+                self._graphdef, self._state, jnp.asarray(ids[rows]), cache, batch_mask
+            )
+            outputs.append(logits)
+            new_caches.append(cache)
+        return jnp.concatenate(outputs)[: self.num_teachers], new_caches
+
+    def _prompts_state(self):
+        if self._prompt_state is None:
+            num_rows = -(-self.num_teachers // self._batch_size) * self._batch_size
+            ids = np.full((num_rows, self._width), self._pad_id, np.int32)
+            mask = np.zeros((num_rows, self._width), np.int32)
+            for i in range(num_rows):  # padding rows repeat the first prompt (discarded)
+                prompt = self._prompts[i] if i < self.num_teachers else self._prompts[0]
+                ids[i, self._width - len(prompt) :] = prompt
+                mask[i, self._width - len(prompt) :] = 1
+            empty = [
+                self._model.init_cache(self._batch_size, self._max_len)
+                for _ in range(num_rows // self._batch_size)
+            ]
+            logits, caches = self._run(empty, ids, mask)
+            self._prompt_state = (caches, logits)
+        return self._prompt_state
 
     def __call__(self, prefix: Sequence[int]) -> jax.Array:
         """`(n, V)` float32 next-token logits of every teacher after its prompt + `prefix`.
@@ -142,29 +181,23 @@ class InContextTeachers:
         Privacy:
             Reads every teacher's private prompt; the result is sensitive.
         """
-        rows = [p + [int(t) for t in prefix] for p in self._prompts]
-        longest = max(map(len, rows))
-        width = min(-(-longest // self._bucket) * self._bucket, self._max_len)
-        if longest > width:
+        prefix = tuple(int(t) for t in prefix)
+        if self._width + len(prefix) > self._max_len:
             raise ValueError(
-                f"prompt + prefix has {longest} tokens, more than the model's {self._max_len}."
+                f"prompt + prefix has {self._width + len(prefix)} tokens, more than the model's "
+                f"{self._max_len}."
             )
-        num_rows = -(-len(rows) // self._batch_size) * self._batch_size
-        ids = np.full((num_rows, width), self._pad_id, np.int32)
-        last = np.zeros((num_rows,), np.int32)
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = row
-            last[i] = len(row) - 1
-        outputs = [
-            _last_logits(
-                self._graphdef,
-                self._state,
-                jnp.asarray(ids[s : s + self._batch_size]),
-                jnp.asarray(last[s : s + self._batch_size]),
-            )
-            for s in range(0, num_rows, self._batch_size)
-        ]
-        return jnp.concatenate(outputs)[: self.num_teachers]
+        if self._last is not None and prefix[: len(self._last[0])] == self._last[0]:
+            done, caches, logits = self._last
+        else:
+            caches, logits = self._prompts_state()
+            done = ()
+        if len(prefix) > len(done):
+            new = np.asarray(prefix[len(done) :], np.int32)
+            ids = np.broadcast_to(new, (len(caches) * self._batch_size, len(new)))
+            logits, caches = self._run(caches, ids)
+        self._last = (prefix, caches, logits)
+        return logits
 
 
 class TableTeachers:

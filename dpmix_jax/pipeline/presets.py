@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from dpmix_jax.data import builtin
 from dpmix_jax.pipeline import common
@@ -12,14 +13,24 @@ from dpmix_jax.train import TrainConfig
 
 
 def digit_tasks(
-    *, seed: int = 0, image_size: int = 16, num_tasks: int = 1
+    *,
+    seed: int = 0,
+    image_size: int = 16,
+    num_tasks: int = 1,
+    prevalence_scales: Sequence[float] | None = None,
 ) -> list[SharedInputTask]:
     """The embedded image default (MNIST-5k, 12 overlapping label rules) as pipeline tasks.
 
-    Sensitive task t is labelled Bernoulli(Σ_i λ*_ti y_i(x)) for a recorded sparse λ*_t (data
-    seed `seed`); each task's `true_weights` is its λ*_t.
+    Sensitive task t is labelled Bernoulli(s_t Σ_i λ*_ti y_i(x)) for a recorded sparse λ*_t (data
+    seed `seed`) and prevalence scale s_t (`prevalence_scales`, default 1); each task's
+    `true_weights` is its λ*_t.
     """
-    task = builtin.load_digit_mixture_task(seed=seed, image_size=image_size, num_tasks=num_tasks)
+    task = builtin.load_digit_mixture_task(
+        seed=seed,
+        image_size=image_size,
+        num_tasks=num_tasks,
+        prevalence_scales=prevalence_scales,
+    )
     return [
         SharedInputTask(
             name=f"digits (MNIST-5k, 12 label sources), task {t}",

@@ -89,7 +89,8 @@ class TrainConfig:
         pad_multiple: Poisson batches are padded to a multiple of this (few jit shapes).
         chunk_size: gradient accumulation: units per jitted call; the padded batch is cut into
             chunks of this size whose clipped sums are added before the single noise draw.
-            None: the whole padded batch in one call (compiled once per padded size).
+            None: the whole padded batch, clipped sum, noise and update in one jitted call
+            (compiled once per padded size).
         microbatch_size: vmap path: units per vmap inside one call (`lax.scan` over
             microbatches; memory only, the result is the same); must divide `chunk_size` (or
             `pad_multiple`). The ghost path keeps no per-example copy of the model's gradient
@@ -402,7 +403,10 @@ class Trainer:
         self._chunk_fn = jax.jit(self._chunk_sum)
         # One dispatch for the accumulator, not one per parameter (it matters for small steps).
         self._zeros_fn = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
-        self._apply_fn = jax.jit(self._apply)
+        self._apply_fn = jax.jit(self._apply, donate_argnums=0)
+        # Without chunking a private step is this one call: clipped sum, noise and update, the
+        # old state's buffers reused for the new one.
+        self._step_fn = jax.jit(self._fused_step, donate_argnums=0)
         self._public_fn = jax.jit(self._public_step)
 
     # ---------------------------------------------------------------- placement and state
@@ -417,10 +421,14 @@ class Trainer:
         return parallel.shard_batch(batch, self.mesh)
 
     def init_state(self) -> TrainState:
-        """The state at step 0 (parameters from the model given at construction)."""
+        """The state at step 0 (parameters from the model given at construction).
+
+        A fresh copy each call: private steps donate their input state's buffers to the new one,
+        so a state must not be used again after it was passed to `private_step`/`noisy_step`.
+        """
         params = self._initial_params
         state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
-        return self._place(state)
+        return self._place(jax.tree.map(jnp.copy, state))
 
     def model(self, state: TrainState) -> nnx.Module:
         """The NNX model with the state's trainable parameters (frozen ones unchanged)."""
@@ -490,6 +498,10 @@ class Trainer:
         updates, opt_state = self.optimizer.update(gradient, state.opt_state, state.params)
         return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
 
+    def _fused_step(self, state, frozen, rest, batch, mask):
+        total, _ = self._grad_sum(frozen, rest)(state.params, batch, mask)
+        return self._apply(state, total)
+
     def _public_step(self, state, frozen, rest, batch):
         def mean_loss(params):
             return jnp.mean(self.loss_fn(self.split.merge(params, frozen, rest), batch))
@@ -511,11 +523,17 @@ class Trainer:
 
         Privacy: the sum has sensitivity `clip_norm` per unit; it is *not* private until noised.
         """
+        acc = self._zeros_fn(params)
+        for batch, chunk_mask in self._chunks(gather, indices, mask):
+            acc = self._chunk_fn(params, self.frozen, self.rest, acc, batch, chunk_mask)
+        return acc
+
+    def _chunks(self, gather: Gather, indices: np.ndarray, mask: np.ndarray):
+        """The placed (batch, mask) chunks of a padded index batch, gathered one at a time."""
         rows = self.config.chunk_size or indices.shape[0]
         if self.mesh is not None:
             rows = math.lcm(rows, self.mesh.shape[parallel.DATA_AXIS])
         indices, mask = _pad_rows(indices, rows), _pad_rows(mask.astype(np.int8), rows) == 1
-        acc = self._zeros_fn(params)
         for start in range(0, indices.shape[0], rows):
             chunk = indices[start : start + rows]
             chunk_mask = mask[start : start + rows]
@@ -524,9 +542,7 @@ class Trainer:
                 chunk_mask = parallel.process_rows(chunk_mask, self.mesh)
             batch = gather(chunk.reshape(-1))
             batch = jax.tree.map(lambda x, c=chunk: x.reshape(*c.shape, *x.shape[1:]), batch)
-            batch, chunk_mask = self._place_batch((batch, chunk_mask))
-            acc = self._chunk_fn(params, self.frozen, self.rest, acc, batch, chunk_mask)
-        return acc
+            yield self._place_batch((batch, chunk_mask))
 
     def private_step(
         self, state: TrainState, data: IndexedData, rng: np.random.Generator
@@ -547,8 +563,15 @@ class Trainer:
     ) -> TrainState:
         """The update of `private_step` on a given padded index batch: clipped sum, noise, step.
 
+        Without `chunk_size` this is one jitted call (the whole padded batch); with it, the
+        chunks' clipped sums are accumulated first. `state` is consumed: its buffers are donated
+        to the returned state.
+
         Privacy: private only as part of `private_step`, on the sampler's Poisson batch.
         """
+        if self.config.chunk_size is None:
+            ((batch, chunk_mask),) = self._chunks(gather, indices, mask)
+            return self._step_fn(state, self.frozen, self.rest, batch, chunk_mask)
         return self._apply_fn(state, self.clipped_sum(state.params, gather, indices, mask))
 
     def public_step(

@@ -19,6 +19,12 @@ generation 150 s; 319 s in all):
 
     (n = 128 is the same picture: gain 1.2x, 4.6x, 9.2x, 29.8x.)
 
+The cpu preset's public GPT-2 is now 128 wide with 4 layers, trained 1000 public steps (every
+20th public document held out for its perplexity) and stored in DIR/stages/ for later runs;
+`--parts natural,generation` runs (b) and (c) only. The numbers of (b) and (c) below are from the
+previous preset (64 wide, 2 layers, 300 steps, release at λ = 8, σ_s = 2); the README has the
+current preset's.
+
 (b) natural task on the text default: BPE (V = 512) and tiny GPT-2 trained on the public domains
     (300 public steps; loss 5.28 nats at step 60, 4.13 at step 300); 2203 sensitive records
     (e-mail sentences), n = 512 teachers with 4 records each, instruction "The", r = 1000
@@ -170,9 +176,12 @@ class NaturalConfig:
 
     Attributes:
         model: "tiny" or "small" (`GPT2Config` preset; n_positions = seq_len).
+        width, depth: override the preset's n_embd and n_layer (None: the preset's).
         vocab_size: BPE vocabulary size.
         train_steps, batch_size, seq_len, learning_rate: public pre-training.
         max_public_per_domain: public documents per domain (tokenizer and model training).
+        heldout_every: every this-many-th public document of each domain is held out of the
+            model's training and scores its held-out perplexity.
         num_users: users of the sensitive e-mail corpus.
         min_record_chars: sentences shorter than this are not records.
         max_record_tokens: records are cut to this many tokens.
@@ -186,12 +195,15 @@ class NaturalConfig:
     """
 
     model: str
+    width: int | None = None
+    depth: int | None = None
     vocab_size: int
     train_steps: int
     batch_size: int = 32
     seq_len: int = 128
     learning_rate: float = 3e-3
     max_public_per_domain: int = 300
+    heldout_every: int = 20
     num_users: int = 20
     min_record_chars: int = 20
     max_record_tokens: int = 24
@@ -210,12 +222,18 @@ class NaturalConfig:
             raise ValueError(f"vocab_size must be >= 257 (byte-level BPE), got {self.vocab_size}.")
         for name in (
             "train_steps", "batch_size", "seq_len", "learning_rate", "max_public_per_domain",
-            "num_users", "min_record_chars", "max_record_tokens", "num_teachers",
+            "heldout_every", "num_users", "min_record_chars", "max_record_tokens", "num_teachers",
             "records_per_teacher", "num_steps", "num_histograms", "temperature",
         ):  # fmt: skip
             _positive(name, getattr(self, name))
         if not self.instruction:
             raise ValueError("instruction must be a non-empty string.")
+        for name in ("width", "depth"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be None or >= 1, got {value!r}.")
+        if self.heldout_every < 2:
+            raise ValueError(f"heldout_every must be >= 2, got {self.heldout_every}.")
         prompt = self.records_per_teacher * (self.max_record_tokens + 1) + self.num_steps
         if prompt >= self.seq_len:
             raise ValueError(
@@ -233,7 +251,9 @@ class GenerationRunConfig:
     Thresholds are fractions of n. Per-call privacy: DPWS (epsilon, delta), DPARGMAX (epsilon),
     confident-GNMax (sigma fractions of n). Confident-GNMax's data-dependent ε is released
     privately at Rényi order `release_order` with smooth-sensitivity noise multiplier
-    `release_noise_multiplier` (both fixed in advance).
+    `release_noise_multiplier`; None (the default) chooses both, and β, from public inputs
+    only (`pate.smooth_sensitivity.choose_release`: a hypothetical sequence of max_new_tokens
+    answered queries with `release_agreement` of the votes on one token).
     """
 
     num_sequences: int
@@ -246,14 +266,19 @@ class GenerationRunConfig:
     gnmax_sigma1: float = 0.1
     gnmax_sigma2: float = 0.05
     report_delta: float = 1e-5
-    release_order: float = 8.0
-    release_noise_multiplier: float = 2.0
+    release_order: float | None = None
+    release_noise_multiplier: float | None = None
+    release_agreement: float = 0.75
 
     def __post_init__(self):
         for name in ("num_sequences", "max_new_tokens", "epsilon", "gamma", "gnmax_sigma1"):
             _positive(name, getattr(self, name))
         if not 0 < self.delta < 1 or not 0 < self.report_delta < 1:
             raise ValueError("delta and report_delta must be in (0, 1).")
+        if (self.release_order is None) != (self.release_noise_multiplier is None):
+            raise ValueError(
+                "give release_order and release_noise_multiplier together, or neither."
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,8 +316,10 @@ def get_config(preset: str = "cpu") -> HotPateConfig:
             ),
             natural=NaturalConfig(
                 model="tiny",
+                width=128,
+                depth=4,
                 vocab_size=512,
-                train_steps=300,
+                train_steps=1000,
                 num_teachers=512,
                 records_per_teacher=4,
                 num_steps=8,

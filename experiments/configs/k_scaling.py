@@ -2,27 +2,114 @@
 
 Run:
     python -m experiments.k_scaling --preset cpu --out DIR
+    python -m experiments.k_scaling --preset cpu --proxies synthetic --out DIR
 
-The cpu preset (k in {2, 8, 32, 128, 256}, 3 seeds, n = 20,000, T = 500, both solvers, each DP
-run repeated with σ = 0) takes about 1 minute on 2 CPU cores. C_k = 4 × the 90th percentile of
-public gradient norms at uniform λ (5.4, 10.6, 20, 37, 52: about 3.3√k), η_k = 20 / C_k.
-Measured (mean of 3 seeds, k = 2 .. 256): mirror descent's excess 2.9e-3, 1.2e-3, 1.1e-3,
-3.3e-3, 4.0e-3 (uniform weights ~0.1), slope over k >= 32: 0.67, of which the noise part has
-slope 0.57 and the σ = 0 bias 1.08 (the bias is mostly optimisation error: η_k ∝ 1/√k makes the
-fixed T = 500 less converged at large k; at most 0.7% of examples are clipped at the optimum).
-Frank-Wolfe: 3.4e-4 .. 6.7e-2, slope 0.47 (noise part 0.51, dominant; bias 0.22).
-The former setting (C = 20 and η = 1 for every k, T = 200) gave slope ~1.2: its σ = 0 runs
-showed clipping bias dominating at k >= 128 (4-10% clipped at the optimum, up to 1.5e-2 excess
-on one seed; 4e-4 with the same η and no clipping), since per-example norms grow like √k.
-The paper preset (k from 2 to 1000, 5 seeds, n = 50,000) is the paper's grid (its reported
-slope: 0.49; theory: 0.5).
+Trained proxies (the default; the analogue of the paper's Appendix A.6): the public label
+functions are distinct subsets of the 10 digit classes of MNIST-5k ("is the digit in S?"; there
+are 1022 non-trivial subsets), one trained multi-head proxy (shared MLP trunk, one sigmoid head per
+subset) per seed, ten sensitive tasks per seed, each labelled y ~ Bernoulli(Σ_i λ*_i y_i(x)) for a
+sparse λ* over the 1000 label functions (three active, like the image default). Smaller k take the
+first k heads of the same proxy (nested subsets). The cpu preset (k in {2, 8, 32, 100, 316,
+1000}, 5 seeds × 10 tasks, n = 3,000 sensitive images, b = 300, ε = 1; both solvers, each DP
+run repeated with σ = 0) used 274 s of CPU time (21 minutes of wall time on a shared 2-core
+machine). Measured (mean over 50 seed-task pairs, k = 2 .. 1000): mirror descent 5.5e-4,
+6.9e-3, 1.6e-2, 3.1e-2, 5.0e-2, 6.7e-2, slope over k >= 32: 0.42 (noise part 0.32, σ = 0 bias
+0.74: T is at the compute cap, and η_k ∝ √ln k / C_k shrinks with k); Frank-Wolfe 1.2e-3 ..
+1.5e-1, slope 0.26 (T_k falls from 118 to 26); uniform weights 2.7e-2 .. 2.1e-1. At this n the
+large-k excess approaches the uniform weights' (about 0.2), which flattens both curves. At most
+0.6% of examples are clipped at the optimum. The paper (ResNet-50 proxies on k ImageNet classes,
+the first ten binarised CIFAR-100 classes as tasks, N = 50,000): slope 0.49 for k >= 32 (theory
+0.5); Table 4: 3.8e-3 at k = 32, 17.7e-3 at k = 1000.
+
+The paper preset reads ImageNet-2012 (public sources: its 1000 classes, one-vs-rest) and
+CIFAR-100 (tasks: classes 0-9 one-vs-rest on the 50,000 training images) through tfds from
+`tfds_data_dir` (both must already be prepared there; the run stops with one line otherwise) and
+trains a ResNet-50 proxy with 1000 heads (an accelerator job).
+
+Synthetic proxies (`--proxies synthetic`): k sigmoid proxies on Gaussian inputs and labels drawn
+from an exact mixture of four of them (`experiments.k_scaling.mixture_problem`), n = 20,000: the
+only setting where the population optimum λ* is known exactly. Its cpu preset (k in {2, 8, 32,
+128, 256}, 3 seeds, b = 1000) used 74 s of CPU time (5.7 minutes of wall time, shared machine).
+Measured: mirror descent 2.8e-3, 1.9e-4, 1.4e-3, 5.8e-3, 1.2e-2, slope 1.01, almost all of it
+σ = 0 bias (the noise is small at this n, and the schedule's η_k is too short a step for T =
+1000 to converge); Frank-Wolfe 3.5e-4 .. 4.5e-2, slope 0.52 (noise part 0.61, bias 0.23).
+
+T and η follow the theory in both settings (`experiments.k_scaling.schedule`): mirror descent
+T_k = min(max_steps, ⌈(nε)² / (ln k · ln(1/δ))⌉) and η_k = step_size · √(2 ln k / T_k) / C_k;
+Frank-Wolfe T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from dpmix_jax.models.resnet import ResNetConfig
+from dpmix_jax.pipeline.image import ModelSpec
 from dpmix_jax.privacy import accounting
+from dpmix_jax.train import TrainConfig
+
+DATA = ("digits", "imagenet_cifar100")
+NUM_DIGIT_SUBSETS = 2**10 - 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainedProxyConfig:
+    """Public settings of the trained multi-head proxy and of the sensitive tasks.
+
+    Attributes:
+        data: "digits" (MNIST-5k; sources: digit subsets; tasks: sparse mixtures of them) or
+            "imagenet_cifar100" (tfds; sources: ImageNet-2012 classes one-vs-rest; tasks:
+            CIFAR-100 classes 0 .. num_tasks-1 one-vs-rest).
+        num_label_functions: K, heads of the proxy (the largest k); digits: at most 1022.
+        num_tasks: sensitive tasks per seed.
+        num_active_sources: digits: label functions with non-zero weight in each task's λ*.
+        public_holdout: public examples kept out of proxy training; C_k is set from the proxy's
+            outputs on them (stand-in tasks drawn with `KScalingConfig.public_seed`).
+        stand_in_tasks: number of such public stand-in tasks.
+        image_size: side of the square images.
+        model: the proxy network (its output layer has K heads).
+        train: public training of the proxy (BCE over the K heads).
+        eval_batch_size: rows per batch when computing the proxy's outputs.
+        tfds_data_dir: where tfds finds ImageNet and CIFAR-100 (None: tfds' default folder).
+    """
+
+    data: str = "digits"
+    num_label_functions: int = 1000
+    num_tasks: int = 10
+    num_active_sources: int = 3
+    public_holdout: int = 500
+    stand_in_tasks: int = 10
+    image_size: int = 16
+    model: ModelSpec = ModelSpec(kind="mlp", mlp_hidden=(128,))
+    train: TrainConfig = TrainConfig(
+        steps=400, batch_size=128, learning_rate=3e-3, progress=False, log_every=None
+    )
+    eval_batch_size: int = 500
+    tfds_data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA:
+            raise ValueError(f"data must be one of {DATA}, got {self.data!r}.")
+        for name in (
+            "num_label_functions",
+            "num_tasks",
+            "num_active_sources",
+            "public_holdout",
+            "stand_in_tasks",
+            "eval_batch_size",
+        ):
+            accounting.check_steps(getattr(self, name), name)
+        if self.data == "digits" and self.num_label_functions > NUM_DIGIT_SUBSETS:
+            raise ValueError(
+                f"num_label_functions must be <= {NUM_DIGIT_SUBSETS} (the non-trivial subsets of"
+                f" 10 digits), got {self.num_label_functions}."
+            )
+        if self.num_active_sources > self.num_label_functions:
+            raise ValueError("num_active_sources must be <= num_label_functions.")
+        if self.image_size < 4:
+            raise ValueError(f"image_size must be >= 4, got {self.image_size}.")
+        if self.train.private:
+            raise ValueError("the proxy trains on public data: train.private must be False.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,21 +118,23 @@ class KScalingConfig:
 
     Attributes:
         ks: numbers of sources to run.
-        seeds: data/noise seeds (each gives a fresh synthetic problem and run).
-        num_examples: n, the size of the mixture split.
-        num_features: input dimension of the synthetic proxies.
-        support: number of sources in the true mixture λ* (the rest are distractors).
-        proxy_scale: scale of the proxies' logits (higher = more confident proxies).
-        epsilon, delta: the privacy target.
-        steps, batch_size: DP-MixMin's T and expected batch size b, fixed across k.
+        seeds: data seeds (each gives a fresh problem: synthetic proxies, or a public/sensitive
+            split, label functions, tasks and a trained proxy).
+        num_examples: n, the size of the sensitive mixture split.
+        trained: the trained-proxy setting; None runs the synthetic proxies below.
+        num_features: synthetic: input dimension of the proxies.
+        support: synthetic: number of sources in the true mixture λ*.
+        proxy_scale: synthetic: scale of the proxies' logits.
+        epsilon, delta: the privacy target of every DP-MixMin run.
+        batch_size: DP-MixMin's expected batch size b (q = b / n), fixed across k.
+        max_steps: the compute cap on T_k (see `experiments.k_scaling.schedule`).
+        step_size: a in the mirror-descent step η_k = a · √(2 ln k / T_k) / C_k.
         clip_quantile, clip_scale: C_k = clip_scale × the `clip_quantile` quantile of the
-            (mean-shifted) per-example gradient norms at uniform weights on a *public* stand-in
-            problem with k sources (`public_seed`, `public_examples` examples); it grows like
-            √k, as the norms do, and never looks at the sensitive split.
-        step_size: η_k = step_size / C_k, so a step moves the logits by a similar amount
-            whatever C_k is.
-        public_examples, public_seed: size and seed of the public stand-in problem (the seed
-            must differ from every study seed).
+            (mean-shifted) per-example gradient norms at uniform weights on *public* stand-in
+            data (synthetic: a fresh problem with `public_seed`; trained: the proxy's public
+            holdout), rounded to a quarter-octave grid so runs share compiled solvers.
+        public_examples: synthetic: size of the public stand-in problem.
+        public_seed: seed of the public stand-in problem or tasks (must differ from the seeds).
         solvers: "mirror_descent" and/or "frank_wolfe".
         reference_steps, reference_learning_rate: non-private MixMin for the reference optimum.
         slope_min_k: the log-log slope is fitted over k >= this.
@@ -54,16 +143,17 @@ class KScalingConfig:
     ks: tuple[int, ...]
     seeds: tuple[int, ...]
     num_examples: int
+    trained: TrainedProxyConfig | None = None
     num_features: int = 16
     support: int = 4
     proxy_scale: float = 3.0
     epsilon: float = 1.0
     delta: float = 1e-5
-    steps: int = 500
     batch_size: int = 1000
+    max_steps: int = 1000
+    step_size: float = 20.0
     clip_quantile: float = 0.9
     clip_scale: float = 4.0
-    step_size: float = 20.0
     public_examples: int = 5000
     public_seed: int = 10_000
     solvers: tuple[str, ...] = ("mirror_descent", "frank_wolfe")
@@ -78,11 +168,16 @@ class KScalingConfig:
             raise ValueError("seeds must not be empty.")
         if sum(k >= self.slope_min_k for k in self.ks) < 2:
             raise ValueError(f"need at least two ks >= slope_min_k = {self.slope_min_k}.")
+        if self.trained is not None and max(self.ks) > self.trained.num_label_functions:
+            raise ValueError(
+                f"the largest k ({max(self.ks)}) exceeds the proxy's"
+                f" {self.trained.num_label_functions} heads."
+            )
         for name in ("num_examples", "num_features", "support", "batch_size", "public_examples"):
             accounting.check_steps(getattr(self, name), name)
         accounting.check_epsilon(self.epsilon)
         accounting.check_delta(self.delta)
-        accounting.check_steps(self.steps)
+        accounting.check_steps(self.max_steps, "max_steps")
         accounting.check_steps(self.reference_steps, "reference_steps")
         for name in ("proxy_scale", "clip_scale", "step_size", "reference_learning_rate"):
             accounting.check_positive(getattr(self, name), name)
@@ -94,14 +189,48 @@ class KScalingConfig:
             raise ValueError(f"unknown solvers {self.solvers!r}.")
 
 
-def get_config(preset: str = "cpu") -> KScalingConfig:
-    """The "cpu" preset (minutes on 2 cores) or the "paper" preset (the paper's grid)."""
+PROXIES = ("trained", "synthetic")
+
+
+def get_config(preset: str = "cpu", proxies: str = "trained") -> KScalingConfig:
+    """The "cpu" preset (minutes on 2 cores) or the "paper" preset (the paper's grid), with
+    trained (default) or synthetic proxies."""
+    if proxies not in PROXIES:
+        raise ValueError(f"proxies must be one of {PROXIES}, got {proxies!r}.")
+    if preset not in ("cpu", "paper"):
+        raise ValueError(f"preset must be 'cpu' or 'paper', got {preset!r}.")
+    paper_ks = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
+    seeds = (0, 1, 2, 3, 4)
+    if proxies == "synthetic":
+        if preset == "cpu":
+            return KScalingConfig(ks=(2, 8, 32, 128, 256), seeds=(0, 1, 2), num_examples=20_000)
+        return KScalingConfig(ks=paper_ks, seeds=seeds, num_examples=50_000)
     if preset == "cpu":
-        return KScalingConfig(ks=(2, 8, 32, 128, 256), seeds=(0, 1, 2), num_examples=20_000)
-    if preset == "paper":
         return KScalingConfig(
-            ks=(2, 4, 8, 16, 32, 64, 128, 256, 512, 1000),
-            seeds=(0, 1, 2, 3, 4),
-            num_examples=50_000,
+            ks=(2, 8, 32, 100, 316, 1000),
+            seeds=seeds,
+            num_examples=3000,
+            batch_size=300,
+            reference_steps=1000,
+            trained=TrainedProxyConfig(),
         )
-    raise ValueError(f"preset must be 'cpu' or 'paper', got {preset!r}.")
+    return KScalingConfig(
+        ks=paper_ks,
+        seeds=seeds,
+        num_examples=50_000,
+        max_steps=2000,
+        trained=TrainedProxyConfig(
+            data="imagenet_cifar100",
+            public_holdout=10_000,
+            image_size=224,
+            model=ModelSpec(kind="resnet", resnet=ResNetConfig.resnet50()),
+            train=TrainConfig(
+                steps=20_000,
+                batch_size=256,
+                learning_rate=1e-3,
+                log_every=500,
+                checkpoint_every=2000,
+            ),
+            eval_batch_size=512,
+        ),
+    )

@@ -14,10 +14,21 @@ Paper numbers to compare with (macro AUC over the 14 NIH tasks, δ = 1e-5, ρ = 
     λ cosine to non-private MixMin at ε = 1: 0.97 ± 0.01 (CheXpert), 0.93 ± 0.04 (MIMIC-CXR).
 
 The `paper` preset needs the real data sets in their published layouts (NIH: Data_Entry_2017.csv,
-images*/, train_val_list.txt, test_list.txt; CheXpert-v1.0: train.csv; MIMIC-CXR-JPG:
-mimic-cxr-2.0.0-chexpert.csv, -metadata.csv, files/) and an accelerator (ResNet-50 proxy,
+images*/, train_val_list.txt, test_list.txt; CheXpert-v1.0: train.csv, with --public-root the
+folder holding it, under any name; MIMIC-CXR-JPG: mimic-cxr-2.0.0-chexpert.csv.gz,
+-metadata.csv.gz, -split.csv.gz (or unpacked .csv), files/) and an accelerator (ResNet-50 proxy,
 ResNet-18 downstream at 224x224, 36,000 fine-tuning steps). It stops with a message naming the
 missing file when the data is absent.
+
+`--smoke` (with `--preset paper`) proves the paper path end to end in minutes on a CPU: the
+paper's data layouts and loaders, models (ResNet-50 proxy, ResNet-18 downstream), 224x224
+images, k = 14 public label sources, ρ, δ, clip norms, learning rates and all five methods, but
+1-2 steps of batch 2 per stage (the mixture's expected batch: 1), one seed, ε = 1, one finding
+(Effusion) and two random-search candidates; it reads every image it is given, so point it at a
+small folder:
+    python -m experiments.nih_chexpert --preset paper --smoke --nih-root DIR --public-root DIR \
+        --out DIR
+Its AUCs measure nothing (one step); it checks that every stage runs and writes macro.md.
 
 The `cpu` preset runs the same code on the embedded digits default (3 sensitive tasks, MLP, a
 few minutes on 2 CPU cores). Expected: DP-MixMin's macro AUC above Uniform's and Random Init's at
@@ -95,10 +106,46 @@ def paper_pipeline() -> ImagePipelineConfig:
     )
 
 
-def get_config(public: str = "chexpert", preset: str = "cpu") -> CxrExperimentConfig:
-    """`preset="paper"`: the paper's experiment; `preset="cpu"`: the same code on digits."""
+def smoke_pipeline() -> ImagePipelineConfig:
+    """`paper_pipeline()` with 1-2 steps of batch 2 in every stage (models, clip norms, learning
+    rates, ρ and δ unchanged): a test that the paper's path runs, not a result."""
+    paper = paper_pipeline()
+    short = dict(steps=1, batch_size=2, log_every=1, progress=False)
+    return dataclasses.replace(
+        paper,
+        proxy=dataclasses.replace(paper.proxy, **short),
+        mixture=dataclasses.replace(paper.mixture, steps=2, batch_size=1),
+        pretrain=dataclasses.replace(paper.pretrain, **short),
+        finetune=dataclasses.replace(
+            paper.finetune,
+            **short,
+            pad_multiple=2,
+            chunk_size=None,
+            microbatch_size=None,
+            checkpoint_every=None,
+        ),
+        random_search_candidates=2,
+        eval_batch_size=8,
+    )
+
+
+def get_config(
+    public: str = "chexpert", preset: str = "cpu", *, smoke: bool = False
+) -> CxrExperimentConfig:
+    """`preset="paper"`: the paper's experiment (`smoke=True`: its smoke test, see above);
+    `preset="cpu"`: the same code on digits."""
     if public not in ("chexpert", "mimic"):
         raise ValueError(f"public must be 'chexpert' or 'mimic', got {public!r}.")
+    if smoke and preset != "paper":
+        raise ValueError(f"smoke applies to the paper preset, not {preset!r}.")
+    if preset == "paper" and smoke:
+        return CxrExperimentConfig(
+            public=public,
+            pipeline=smoke_pipeline(),
+            epsilons=(1.0,),
+            seeds=(0,),
+            tasks=("Effusion",),
+        )
     if preset == "paper":
         return CxrExperimentConfig(public=public, pipeline=paper_pipeline())
     if preset == "cpu":

@@ -21,6 +21,15 @@ fine-tuning budget (here 50 steps of an expected 1,000 documents x 1024 tokens).
 chosen here: the document split (80/10/10), the mixture's expected batch (1,000 documents), the
 optimisers, learning rates and the fine-tuning clip norm (1.0).
 
+`--smoke` (with `--preset paper`) proves the paper path end to end on a small folder in the same
+layout (`configs.enron.smoke`): the parquet/jsonl readers, GPT-2's tokenizer, the GPT-2 small
+proxies from WEIGHTS/gpt2, GPT-2 medium downstream, 1024-token rows, k = all domain folders,
+DP-MixMin and Uniform, but 1-2 steps of one or two documents per stage, ε = 1, one seed, the
+first 60 documents and 4 per public domain:
+    python -m experiments.openwebmath --preset paper --smoke --data-root DIR --weights-root DIR \
+        --out DIR
+Its perplexities mean nothing (one step); it checks that every stage runs and writes results.md.
+
 The `cpu` preset runs the same code on the embedded text default with every document its own
 unit (`text_task(level="example")`).
 """
@@ -33,7 +42,7 @@ import pathlib
 from dpmix_jax.pipeline import MixtureConfig
 from dpmix_jax.pipeline.text_presets import text_demo_config
 from dpmix_jax.train import TrainConfig
-from experiments.configs.enron import TextExperimentConfig, paper_pipeline
+from experiments.configs.enron import TextExperimentConfig, paper_pipeline, smoke
 
 
 def get_config(
@@ -41,9 +50,13 @@ def get_config(
     *,
     data_root: str | pathlib.Path = "data",
     weights_root: str | pathlib.Path = "weights",
+    smoke_test: bool = False,
 ) -> TextExperimentConfig:
     """`preset="paper"`: the paper's experiment on the real data under `data_root` and
-    `weights_root`; `preset="cpu"`: the same code on the embedded default, example level."""
+    `weights_root` (`smoke_test=True`: its smoke test, `configs.enron.smoke`); `preset="cpu"`:
+    the same code on the embedded default, example level."""
+    if smoke_test and preset != "paper":
+        raise ValueError(f"the smoke test applies to the paper preset, not {preset!r}.")
     if preset == "cpu":
         return TextExperimentConfig(
             data="builtin",
@@ -71,7 +84,7 @@ def get_config(
                 log_every=1,
             ),
         )
-        return TextExperimentConfig(
+        config = TextExperimentConfig(
             data="openwebmath",
             pipeline=pipeline,
             mix_fractions=(0.1,),
@@ -81,4 +94,5 @@ def get_config(
             public_root=str(data_root / "common_pile"),
             max_documents=50_000,
         )
+        return smoke(config, mix_fraction=0.1) if smoke_test else config
     raise ValueError(f"preset must be 'cpu' or 'paper', got {preset!r}.")

@@ -1,0 +1,147 @@
+"""k-scaling with trained proxies: label functions, the T/η schedule, an end-to-end run."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from dpmix_jax.pipeline.image import ModelSpec
+from dpmix_jax.train import TrainConfig
+from experiments import k_scaling
+from experiments.configs import k_scaling as configs
+
+
+def test_digit_label_functions_are_all_distinct_nontrivial_subsets():
+    every = k_scaling.digit_label_functions(1022, seed=0)
+    assert every.shape == (10, 1022)
+    sizes = every.sum(axis=0)
+    assert sizes.min() == 1 and sizes.max() == 9  # no empty or full subset
+    codes = (every.astype(int) * (2 ** np.arange(10))[:, None]).sum(axis=0)
+    np.testing.assert_array_equal(np.sort(codes), np.arange(1, 1023))  # each subset once
+
+
+def test_digit_label_functions_nest_and_depend_on_the_seed():
+    large = k_scaling.digit_label_functions(1000, seed=3)
+    np.testing.assert_array_equal(large[:, :32], k_scaling.digit_label_functions(32, seed=3))
+    assert len({tuple(c) for c in large.T}) == 1000
+    assert not np.array_equal(large[:, :32], k_scaling.digit_label_functions(32, seed=4))
+    for bad in (0, 1023):
+        with pytest.raises(ValueError, match="count"):
+            k_scaling.digit_label_functions(bad, seed=0)
+
+
+def test_schedule_matches_the_hand_formulas():
+    budget = dict(num_examples=3000, epsilon=1.0, delta=1e-5)
+    # (nε)² / (ln k · ln(1/δ)) = 9e6 / (3.4657 · 11.5129) = 225,559.6 at k = 32.
+    assert k_scaling.mirror_descent_steps(32, max_steps=10**7, **budget) == 225_560
+    assert k_scaling.mirror_descent_steps(32, max_steps=1000, **budget) == 1000
+    # (nε / (ln k · √ln(1/δ)))^(2/3) = 40.22 at k = 32, 25.40 at k = 1000, 117.6 at k = 2.
+    assert k_scaling.frank_wolfe_steps(32, max_steps=1000, **budget) == 41
+    assert k_scaling.frank_wolfe_steps(1000, max_steps=1000, **budget) == 26
+    assert k_scaling.frank_wolfe_steps(2, max_steps=1000, **budget) == 118
+    assert k_scaling.frank_wolfe_steps(2, max_steps=100, **budget) == 100
+    # √(2 ln 32 / 1000) / 20 = 0.0041628.
+    rate = k_scaling.mirror_descent_learning_rate(32, steps=1000, clip_norm=20.0, step_size=1.0)
+    assert rate == pytest.approx(0.004162773, rel=1e-6)
+
+    config = configs.get_config("cpu")  # n = 3000, ε = 1, δ = 1e-5, max_steps = 1000
+    steps, rate = k_scaling.schedule(config, 32, "mirror_descent", 20.0)
+    assert steps == 1000 and rate == pytest.approx(config.step_size * 0.004162773, rel=1e-6)
+    assert k_scaling.schedule(config, 1000, "frank_wolfe", 20.0) == (26, None)
+
+
+def _tiny_config(**overrides):
+    trained = configs.TrainedProxyConfig(
+        num_label_functions=8,
+        num_tasks=2,
+        public_holdout=100,
+        stand_in_tasks=2,
+        image_size=8,
+        model=ModelSpec(kind="mlp", mlp_hidden=(16,)),
+        train=TrainConfig(
+            steps=20, batch_size=32, learning_rate=3e-3, progress=False, log_every=None
+        ),
+        eval_batch_size=128,
+    )
+    settings = dict(
+        ks=(2, 4, 8),
+        seeds=(0,),
+        num_examples=300,
+        batch_size=60,
+        max_steps=20,
+        reference_steps=2000,
+        slope_min_k=4,
+        trained=trained,
+    )
+    return configs.KScalingConfig(**{**settings, **overrides})
+
+
+@pytest.mark.slow
+def test_tiny_trained_run_end_to_end(tmp_path, monkeypatch):
+    config = _tiny_config()
+    results = k_scaling.main(config, tmp_path, reproducible=True)
+    rows = results["rows"]
+    assert sorted((r["k"], r["task"]) for r in rows) == [(k, t) for k in (2, 4, 8) for t in (0, 1)]
+    for row in rows:
+        steps, _ = k_scaling.schedule(config, row["k"], "frank_wolfe", row["clip_norm"])
+        assert row["frank_wolfe_steps"] == steps and row["mirror_descent_steps"] == 20
+        for solver in config.solvers:
+            assert row[f"{solver}_epsilon"] <= config.epsilon + 1e-6
+            # The reference is the exact optimum on the same split: nothing beats it.
+            assert row[f"{solver}_excess"] >= -1e-4 and row[f"{solver}_bias"] >= -1e-4
+        assert row["uniform_excess"] >= -1e-4
+    written = json.loads((tmp_path / "k_scaling.json").read_text())
+    assert written["proxies"] == "trained" and set(written["slopes"]) == set(config.solvers)
+    table = (tmp_path / "k_scaling.md").read_text()
+    assert "0.49" in table and "frank_wolfe" in table and (tmp_path / "k_scaling.png").exists()
+
+    # The proxy is cached per seed: the same settings reuse it without training...
+    cached = k_scaling.proxy_outputs(config, 0, tmp_path / "proxies")
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again")
+
+    monkeypatch.setattr(k_scaling.proxies, "train_image_proxy", no_training)
+    again = k_scaling.proxy_outputs(config, 0, tmp_path / "proxies")
+    np.testing.assert_array_equal(again["sensitive_logits"], cached["sensitive_logits"])
+    assert again["sensitive_logits"].shape == (300, 8)
+    # ... and other settings do not.
+    with pytest.raises(AssertionError, match="trained again"):
+        k_scaling.proxy_outputs(_tiny_config(num_examples=200), 0, tmp_path / "proxies")
+
+
+def test_task_labels_follow_the_recorded_mixtures():
+    config = _tiny_config(num_examples=20_000)
+    membership = k_scaling.digit_label_functions(8, seed=0)
+    class_ids = np.random.default_rng(0).integers(0, 10, 20_000)
+    labels, weights = k_scaling.task_labels(config, class_ids, membership, seed=0)
+    assert labels.shape == (20_000, 2) and weights.shape == (2, 8)
+    assert ((weights > 0).sum(axis=1) == 3).all() and np.allclose(weights.sum(axis=1), 1)
+    probs = membership[class_ids] @ weights.T
+    assert np.abs(labels.mean(axis=0) - probs.mean(axis=0)).max() < 0.02
+
+
+def test_paper_preset_refuses_missing_tfds_data(tmp_path):
+    config = configs.get_config("paper")
+    trained = dataclasses.replace(config.trained, tfds_data_dir=str(tmp_path))
+    config = dataclasses.replace(config, trained=trained)
+    for run in (lambda: k_scaling.main(config), lambda: k_scaling.proxy_outputs(config, 0, None)):
+        with pytest.raises(ValueError, match="imagenet2012.*not prepared"):
+            run()
+
+
+def test_config_rejects_more_sources_than_heads():
+    with pytest.raises(ValueError, match="exceeds"):
+        _tiny_config(ks=(2, 4, 16))
+    with pytest.raises(ValueError, match="1022"):
+        configs.TrainedProxyConfig(num_label_functions=1023)
+
+
+def test_mnist_5k_digits_are_the_whole_pool_resized():
+    from dpmix_jax.data import builtin
+
+    images, digits = builtin.mnist_5k_digits(image_size=8)
+    assert images.shape == (5000, 8, 8, 1) and images.dtype == np.float32
+    assert images.min() >= 0.0 and images.max() <= 1.0 and images.max() > 0.5
+    np.testing.assert_array_equal(np.bincount(digits), np.full(10, 500))
