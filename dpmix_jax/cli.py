@@ -150,6 +150,37 @@ def add_reproducible_flag(parser: argparse.ArgumentParser, *, seeds: str) -> Non
     )
 
 
+def add_chest_xray_roots(parser: argparse.ArgumentParser, *, public: str | None) -> None:
+    """Adds `--nih-root` and `--public-root`, the data folders of the chest X-ray paper presets.
+
+    Args:
+        parser: the experiment's parser.
+        public: "chexpert" or "mimic" (the public folder's default is `data/PUBLIC`), or None
+            when the preset chooses the public data set (the default is then the preset's).
+    """
+    parser.add_argument(
+        "--nih-root",
+        type=pathlib.Path,
+        default=pathlib.Path("data/nih"),
+        metavar="DIR",
+        help="paper preset: the NIH ChestX-ray14 folder (Data_Entry_2017.csv, the official "
+        "split lists, images/)",
+    )
+    parser.add_argument(
+        "--public-root",
+        type=pathlib.Path,
+        default=None if public is None else pathlib.Path(f"data/{public}"),
+        metavar="DIR",
+        help="paper preset: the "
+        + (
+            "CheXpert or MIMIC-CXR folder (default: data/chexpert or data/mimic, by preset)"
+            if public is None
+            else f"{public} folder"
+        )
+        + " in its published layout",
+    )
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):

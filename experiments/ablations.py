@@ -11,7 +11,7 @@ import pathlib
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.ablations import AblationConfig, get_config
@@ -105,20 +105,7 @@ if __name__ == "__main__":
         metavar="DIR",
         help="output folder: ablations.json, ablations.md, stages/",
     )
-    parser.add_argument(
-        "--nih-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/nih"),
-        metavar="DIR",
-        help="paper preset: the NIH ChestX-ray14 folder",
-    )
-    parser.add_argument(
-        "--public-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/chexpert"),
-        metavar="DIR",
-        help="paper preset: the CheXpert folder",
-    )
+    add_chest_xray_roots(parser, public="chexpert")
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args()
     main(

@@ -8,7 +8,7 @@ import pathlib
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from dpmix_jax.data import cxr
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
@@ -127,21 +127,7 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="output folder: task<i>/ (one comparison per finding), macro.json, macro.md",
     )
-    parser.add_argument(
-        "--nih-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/nih"),
-        metavar="DIR",
-        help="paper preset: the NIH ChestX-ray14 folder (Data_Entry_2017.csv, the official "
-        "split lists, images/)",
-    )
-    parser.add_argument(
-        "--public-root",
-        type=pathlib.Path,
-        default=pathlib.Path(f"data/{public}"),
-        metavar="DIR",
-        help=f"paper preset: the {public} folder in its published layout",
-    )
+    add_chest_xray_roots(parser, public=public)
     parser.add_argument(
         "--smoke",
         action="store_true",

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser  # noqa: E402
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
 from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
 from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
@@ -299,20 +299,7 @@ def cli() -> None:
         metavar="DIR",
         help="output folder: gsd.json, gsd.md, gsd.png, stages/",
     )
-    parser.add_argument(
-        "--nih-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/nih"),
-        metavar="DIR",
-        help="paper preset: the NIH ChestX-ray14 folder",
-    )
-    parser.add_argument(
-        "--public-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/chexpert"),
-        metavar="DIR",
-        help="paper preset: the CheXpert folder",
-    )
+    add_chest_xray_roots(parser, public="chexpert")
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args()
     main(

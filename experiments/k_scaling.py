@@ -14,6 +14,7 @@ slope of the mean excess over k >= `slope_min_k` is fitted (theory for DP-SCO: 0
 measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and `k_scaling.png`.
 
     python -m experiments.k_scaling --preset cpu --out DIR
+    python -m experiments.k_scaling --preset paper --smoke --out DIR
 """
 
 from __future__ import annotations
@@ -148,17 +149,6 @@ def digit_label_functions(count: int, *, seed: int) -> np.ndarray:
     return ((codes[None, :] >> np.arange(NUM_DIGITS)[:, None]) & 1).astype(np.float32)
 
 
-def sparse_mixtures(
-    rng: np.random.Generator, num_mixtures: int, k: int, num_active: int
-) -> np.ndarray:
-    """`(num_mixtures, k)`: each row Dirichlet(2) weights on `num_active` random sources."""
-    weights = np.zeros((num_mixtures, k))
-    for row in weights:
-        active = rng.choice(k, size=num_active, replace=False)
-        row[active] = rng.dirichlet(np.full(num_active, 2.0))
-    return weights
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProxyData:
     """Where the trained-proxy setting's examples come from (each `{"image", "label"}`, the
@@ -203,32 +193,35 @@ def digit_proxy_data(config: configs.KScalingConfig, seed: int) -> ProxyData:
     )
 
 
-def _require_tfds(name: str, data_dir: str | None) -> None:
-    import tensorflow_datasets as tfds
+TFDS_SPLITS = (("imagenet2012", "train"), ("imagenet2012", "validation"), ("cifar100", "train"))
 
-    if not tfds.builder(name, data_dir=data_dir).is_prepared():
-        raise ValueError(
-            f"tfds data set {name!r} is not prepared in {data_dir or 'the default tfds folder'};"
-            " prepare it there (ImageNet needs its manual download) or run --preset cpu"
-        )
+
+def _require_tfds(data_dir: str | None) -> None:
+    """Opens every tfds split the ImageNet → CIFAR-100 setting reads, as `tfds_proxy_data`
+    opens them, so that a missing one stops the run in one line before any work."""
+    from dpmix_jax.data import tfds_sources
+
+    for name, split in TFDS_SPLITS:
+        try:
+            tfds_sources.open_data_source(name, split, data_dir=data_dir)
+        except ValueError as err:
+            raise ValueError(
+                f"{err} (ImageNet-2012 needs its manual download) or run --preset cpu"
+            ) from err
 
 
 def tfds_proxy_data(config: configs.KScalingConfig, seed: int) -> ProxyData:
     """ImageNet-2012 train (public; K classes one-vs-rest as label functions, seeded order),
     `public_holdout` images of its validation split (public, for C_k), and `num_examples`
     images of CIFAR-100 train (the sensitive split)."""
-    import tensorflow_datasets as tfds
-
     from dpmix_jax.data import tfds_sources
 
     trained = config.trained
-    for name in ("imagenet2012", "cifar100"):
-        _require_tfds(name, trained.tfds_data_dir)
     size, data_dir = trained.image_size, trained.tfds_data_dir
     public = tfds_sources.imagenet_source("train", data_dir=data_dir, image_size=size)
     validation = tfds_sources.imagenet_source("validation", data_dir=data_dir, image_size=size)
     cifar = tfds_sources.TfdsImageSource(
-        tfds.data_source("cifar100", split="train", data_dir=data_dir), image_size=size
+        tfds_sources.open_data_source("cifar100", "train", data_dir=data_dir), image_size=size
     )
     for source, wanted, what in (
         (validation, trained.public_holdout, "public_holdout"),
@@ -325,8 +318,9 @@ def task_labels(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The sensitive tasks' binary labels `(n, num_tasks)` and their λ* `(num_tasks, K)`.
 
-    Digits: task t is y ~ Bernoulli(Σ_i λ*_ti y_i(x)), λ*_t sparse (`sparse_mixtures`), drawn
-    with the data seed. ImageNet → CIFAR-100: task t is "CIFAR-100 class t" (λ* unknown: None).
+    Digits: task t is y ~ Bernoulli(Σ_i λ*_ti y_i(x)), λ*_t sparse
+    (`builtin.sparse_mixtures`), drawn with the data seed. ImageNet → CIFAR-100: task t is
+    "CIFAR-100 class t" (λ* unknown: None).
 
     Privacy: the labels are the sensitive data of the study.
     """
@@ -334,7 +328,7 @@ def task_labels(
     if trained.data == "imagenet_cifar100":
         return (class_ids[:, None] == np.arange(trained.num_tasks)).astype(np.int64), None
     rng = np.random.default_rng([seed, 1])
-    weights = sparse_mixtures(
+    weights = builtin.sparse_mixtures(
         rng, trained.num_tasks, membership.shape[1], trained.num_active_sources
     )
     probs = membership[class_ids] @ weights.T
@@ -404,7 +398,7 @@ def trained_instances(
     outputs = proxy_outputs(config, seed, cache_dir)
     membership = outputs["membership"]
     labels, true_weights = task_labels(config, outputs["sensitive_ids"], membership, seed)
-    stand_in_weights = sparse_mixtures(
+    stand_in_weights = builtin.sparse_mixtures(
         np.random.default_rng([config.public_seed, seed]),
         trained.stand_in_tasks,
         membership.shape[1],
@@ -507,8 +501,7 @@ def main(
     noise and sampling are secret unless `reproducible`.
     """
     if config.trained is not None and config.trained.data == "imagenet_cifar100":
-        for name in ("imagenet2012", "cifar100"):  # fail before any work
-            _require_tfds(name, config.trained.tfds_data_dir)
+        _require_tfds(config.trained.tfds_data_dir)  # fail before any work
     q = min(1.0, config.batch_size / config.num_examples)
     all_steps = sorted({schedule(config, k, s, 1.0)[0] for k in config.ks for s in config.solvers})
     # σ depends on T_k only: the rate and the target are the same for every run.
@@ -697,7 +690,7 @@ def markdown(config: configs.KScalingConfig, summary: dict) -> str:
 def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> None:
     """Writes k_scaling.json, k_scaling.md and k_scaling.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "k_scaling.json").write_text(json.dumps(results, indent=2))
+    (out / "k_scaling.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "k_scaling.md").write_text(markdown(config, results) + "\n")
     fig, axes = plt.subplots(1, len(config.solvers), figsize=(5 * len(config.solvers), 4))
     for ax, solver in zip(np.atleast_1d(axes), config.solvers, strict=True):
@@ -725,11 +718,16 @@ def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> N
     plt.close(fig)
 
 
-def cli() -> None:
+def cli(argv: list[str] | None = None) -> dict:
     parser = experiment_parser(
         "k_scaling",
         __doc__.splitlines()[0],
-        examples=("--preset cpu", "--preset cpu --proxies synthetic", "--preset paper"),
+        examples=(
+            "--preset cpu",
+            "--preset cpu --proxies synthetic",
+            "--preset paper",
+            "--preset paper --smoke",
+        ),
     )
     parser.add_argument(
         "--preset",
@@ -752,9 +750,21 @@ def cli() -> None:
         metavar="DIR",
         help="output folder: k_scaling.json, k_scaling.md, k_scaling.png (and the proxy cache)",
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="with --preset paper: its data, ResNet-50 proxy, image size, heads and both solvers,"
+        " but k in {2, 4, 8}, one seed, two tasks, n = 8 and one proxy step of batch 2 (a test"
+        " that the paper path runs; its excess losses mean nothing)",
+    )
     add_reproducible_flag(parser, seeds="the config's seeds")
-    args = parser.parse_args()
-    main(configs.get_config(args.preset, args.proxies), args.out, reproducible=args.reproducible)
+    args = parser.parse_args(argv)
+    if args.smoke and args.preset != "paper":
+        parser.error("--smoke applies to --preset paper")
+    if args.smoke and args.proxies != "trained":
+        parser.error("--smoke applies to the trained proxies, not --proxies synthetic")
+    config = configs.get_config(args.preset, args.proxies, smoke_test=args.smoke)
+    return main(config, args.out, reproducible=args.reproducible)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.mixing import cosine_similarity
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
@@ -543,21 +543,7 @@ if __name__ == "__main__":
         metavar="DIR",
         help="output folder: results.md, results.json, per_task_gains.png, task<i>/",
     )
-    parser.add_argument(
-        "--nih-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/nih"),
-        metavar="DIR",
-        help="paper presets: the NIH ChestX-ray14 folder",
-    )
-    parser.add_argument(
-        "--public-root",
-        type=pathlib.Path,
-        default=None,
-        metavar="DIR",
-        help="paper presets: the CheXpert or MIMIC-CXR folder (default data/chexpert or "
-        "data/mimic)",
-    )
+    add_chest_xray_roots(parser, public=None)
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args()

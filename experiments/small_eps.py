@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser  # noqa: E402
 from dpmix_jax.mixing import cosine_similarity, dp_mixmin  # noqa: E402
 from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
 from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
@@ -416,20 +416,7 @@ def cli(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--no-sweep", action="store_true", help="skip the sweep of the image mixture settings"
     )
-    parser.add_argument(
-        "--nih-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/nih"),
-        metavar="DIR",
-        help="paper preset: the NIH ChestX-ray14 folder",
-    )
-    parser.add_argument(
-        "--public-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/chexpert"),
-        metavar="DIR",
-        help="paper preset: the CheXpert folder",
-    )
+    add_chest_xray_roots(parser, public="chexpert")
     parser.add_argument(
         "--data-root",
         type=pathlib.Path,

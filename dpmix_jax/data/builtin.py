@@ -29,6 +29,7 @@ API:
                             num_active_sources=3, true_weights=None,
                             split_fractions=(0.6, 0.2, 0.2), prevalence_scales=None)
     mnist_5k_digits(*, image_size=28) -> (images, digits)
+    sparse_mixtures(rng, num_mixtures, k, num_active) -> (num_mixtures, k) weights
     Canary(text, user_id, document_indices)
     TextMixtureTask(public_domains, domain_names, sensitive: UserDocuments, document_domains,
                     user_weights, population_weights, canaries, reference_canaries)
@@ -228,9 +229,10 @@ class DigitMixtureTask:
         return ArraySource({"image": self.public_images, "labels": self.public_labels})
 
 
-def _sparse_mixtures(
+def sparse_mixtures(
     rng: np.random.Generator, num_mixtures: int, k: int, num_active: int
 ) -> np.ndarray:
+    """`(num_mixtures, k)`: each row Dirichlet(2) weights on `num_active` random sources."""
     weights = np.zeros((num_mixtures, k))
     for row in weights:
         active = rng.choice(k, size=num_active, replace=False)
@@ -282,7 +284,7 @@ def load_digit_mixture_task(
     )
     thresholds = np.median(_image_statistics(images[public]), axis=0)
     if true_weights is None:
-        weights = _sparse_mixtures(rng, num_tasks, k, num_active_sources)
+        weights = sparse_mixtures(rng, num_tasks, k, num_active_sources)
     else:
         weights = np.atleast_2d(check_weights(true_weights, k))
     source_labels = _label_functions(images[sensitive], digits[sensitive], thresholds)
@@ -479,7 +481,7 @@ def load_text_mixture_task(
         public_idx = rng.permutation(public_idx)[:max_public_per_domain]
         public_domains[name] = tuple(docs[i] for i in public_idx)
         held_out.append([docs[i] for i in rng.permutation(held_idx)])
-    population = _sparse_mixtures(rng, 1, num_domains, num_active_domains)[0]
+    population = sparse_mixtures(rng, 1, num_domains, num_active_domains)[0]
     support = np.flatnonzero(population)
     users = tuple(f"user{u:03d}" for u in range(num_users))
     user_weights = np.zeros((num_users, num_domains))

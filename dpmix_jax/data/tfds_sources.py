@@ -3,9 +3,11 @@
 `TfdsImageSource` adapts a tfds random-access data source to `Source`: examples are
 `{"image": float32 (H, W, C) in [0, 1], "label": int32 ()}`. Images of another size (ImageNet)
 are resized (shorter side to the target, then a centre crop) with Pillow. The data must already be
-prepared in `data_dir` (tfds downloads nothing here); tests use `tfds.testing.mock_data`.
+prepared in `data_dir` (tfds downloads nothing here: `open_data_source` stops with one line naming
+a data set that is not there); tests use `tfds.testing.mock_data`.
 
 API:
+    open_data_source(name, split, *, data_dir=None)
     TfdsImageSource(data_source, *, image_size, label_key="label")
     cifar100_source(split="train", *, data_dir=None, label="label")   or label="coarse_label"
     imagenet_source(split="train", *, data_dir=None, image_size=224)
@@ -20,6 +22,32 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 from dpmix_jax.data.sources import Source
+
+
+def open_data_source(name: str, split: str, *, data_dir: str | None = None) -> Sequence:
+    """`tfds.data_source(name, split=split, data_dir=data_dir)` without downloading anything.
+
+    Raises:
+        ValueError: one line naming the data set and split when tfds cannot open them there
+            (not prepared there, prepared without a random-access format, no such split).
+    """
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as err:  # tfds reports data it cannot open with several exception types
+        where = data_dir or "the default tfds folder"
+        if not _is_prepared(name, data_dir):
+            message = f"is not prepared in {where}: prepare it there first"
+        else:  # tfds' own reason (e.g. TFRecord files: random access needs array_record)
+            reason = next(iter(str(err).strip().splitlines()), "") or type(err).__name__
+            message = f"in {where} cannot be opened for random access: {reason.rstrip(':')}"
+        raise ValueError(f"tfds data set {name!r} (split {split!r}) {message}") from err
+
+
+def _is_prepared(name: str, data_dir: str | None) -> bool:
+    try:
+        return tfds.builder(name, data_dir=data_dir).is_prepared()
+    except Exception:  # an unknown name or unreadable metadata: nothing usable is prepared
+        return False
 
 
 def _resize_center_crop(image: np.ndarray, size: int) -> np.ndarray:
@@ -75,7 +103,7 @@ def cifar100_source(
     """CIFAR-100 (32x32x3) with fine labels (`label`, 100 classes) or `coarse_label` (20)."""
     if label not in ("label", "coarse_label"):
         raise ValueError(f"label must be 'label' or 'coarse_label', got {label!r}")
-    data = tfds.data_source("cifar100", split=split, data_dir=data_dir)
+    data = open_data_source("cifar100", split, data_dir=data_dir)
     return TfdsImageSource(data, image_size=32, label_key=label)
 
 
@@ -83,5 +111,5 @@ def imagenet_source(
     split: str = "train", *, data_dir: str | None = None, image_size: int = 224
 ) -> TfdsImageSource:
     """ImageNet-2012 (manually prepared in `data_dir`), resized and centre-cropped to a square."""
-    data = tfds.data_source("imagenet2012", split=split, data_dir=data_dir)
+    data = open_data_source("imagenet2012", split, data_dir=data_dir)
     return TfdsImageSource(data, image_size=image_size)

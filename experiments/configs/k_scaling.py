@@ -26,6 +26,15 @@ CIFAR-100 (tasks: classes 0-9 one-vs-rest on the 50,000 training images) through
 `tfds_data_dir` (both must already be prepared there; the run stops with one line otherwise) and
 trains a ResNet-50 proxy with 1000 heads (an accelerator job).
 
+`--smoke` (with `--preset paper`; `smoke` below) proves that path end to end in a minute on a
+CPU: the same tfds data sets and loaders, the ResNet-50 proxy with 1000 heads at 224x224, its
+learning rate, ε, δ, the T_k/η_k/C_k rules and both solvers, but k in {2, 4, 8} (a doubling grid
+like the paper's, slope over k >= 4), one seed, two tasks, n = 8 sensitive images, 4 public
+holdout images, b = 4 and one proxy step of batch 2:
+    python -m experiments.k_scaling --preset paper --smoke --out DIR
+Its excess losses measure nothing; it checks that every stage runs and writes k_scaling.md
+(`tests/test_k_scaling_smoke.py` runs it on `tfds.testing.mock_data`).
+
 Synthetic proxies (`--proxies synthetic`): k sigmoid proxies on Gaussian inputs and labels drawn
 from an exact mixture of four of them (`experiments.k_scaling.mixture_problem`), n = 20,000: the
 only setting where the population optimum λ* is known exactly. Its cpu preset (k in {2, 8, 32,
@@ -192,13 +201,51 @@ class KScalingConfig:
 PROXIES = ("trained", "synthetic")
 
 
-def get_config(preset: str = "cpu", proxies: str = "trained") -> KScalingConfig:
+def smoke(config: KScalingConfig) -> KScalingConfig:
+    """The trained paper config's smoke test: the same data, model, image size, heads, learning
+    rate, privacy target, schedule rules and solvers; k in {2, 4, 8}, one seed, two tasks, n = 8,
+    b = 4 and one proxy step of batch 2 (a test that the paper's path runs, not a result)."""
+    trained = config.trained
+    return dataclasses.replace(
+        config,
+        ks=(2, 4, 8),
+        seeds=(0,),
+        num_examples=8,
+        batch_size=4,
+        slope_min_k=4,
+        trained=dataclasses.replace(
+            trained,
+            num_tasks=2,
+            public_holdout=4,
+            stand_in_tasks=2,
+            train=dataclasses.replace(
+                trained.train,
+                steps=1,
+                batch_size=2,
+                log_every=1,
+                progress=False,
+                checkpoint_every=None,
+            ),
+            eval_batch_size=4,
+        ),
+    )
+
+
+def get_config(
+    preset: str = "cpu", proxies: str = "trained", *, smoke_test: bool = False
+) -> KScalingConfig:
     """The "cpu" preset (minutes on 2 cores) or the "paper" preset (the paper's grid), with
-    trained (default) or synthetic proxies."""
+    trained (default) or synthetic proxies; `smoke_test=True`: the trained paper preset's smoke
+    test (`smoke`)."""
     if proxies not in PROXIES:
         raise ValueError(f"proxies must be one of {PROXIES}, got {proxies!r}.")
     if preset not in ("cpu", "paper"):
         raise ValueError(f"preset must be 'cpu' or 'paper', got {preset!r}.")
+    if smoke_test and (preset, proxies) != ("paper", "trained"):
+        raise ValueError(
+            f"the smoke test applies to the paper preset's trained proxies, not {preset!r}"
+            f" with {proxies!r} proxies."
+        )
     paper_ks = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1000)
     seeds = (0, 1, 2, 3, 4)
     if proxies == "synthetic":
@@ -214,7 +261,7 @@ def get_config(preset: str = "cpu", proxies: str = "trained") -> KScalingConfig:
             reference_steps=1000,
             trained=TrainedProxyConfig(),
         )
-    return KScalingConfig(
+    paper = KScalingConfig(
         ks=paper_ks,
         seeds=seeds,
         num_examples=50_000,
@@ -234,3 +281,4 @@ def get_config(preset: str = "cpu", proxies: str = "trained") -> KScalingConfig:
             eval_batch_size=512,
         ),
     )
+    return smoke(paper) if smoke_test else paper
