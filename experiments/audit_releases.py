@@ -652,14 +652,9 @@ def _end_to_end(setup, release, examples, ft_data, masks, seeds, mix_plan, noise
     return lam, np.asarray(history["w"][:, -1], np.float64)
 
 
-def pipeline(config: AuditConfig) -> dict:
-    """The end-to-end audit: claimed ε = max(ε_mix, ε_ft) (parallel composition over the keyed
-    split); a canary unit landing in D_mix and one landing in D_ft, many runs each."""
-    release = config.releases
-    setup = pipeline_setup(release, config.seed)
-    rng = np.random.default_rng(config.seed + 29)
-    mix_units, ft_units = len(setup["preds"]) + 1, len(setup["y"]) + 1
-    plans = (
+def _pipeline_plans(release: ReleaseAuditConfig, mix_units: int, ft_units: int) -> tuple:
+    """The DP plans of the pipeline's two stages (D_mix and D_ft) at the release's ε and δ."""
+    return (
         _plan(
             release.epsilon,
             release.delta,
@@ -677,6 +672,16 @@ def pipeline(config: AuditConfig) -> dict:
             ft_units,
         ),
     )
+
+
+def pipeline(config: AuditConfig) -> dict:
+    """The end-to-end audit: claimed ε = max(ε_mix, ε_ft) (parallel composition over the keyed
+    split); a canary unit landing in D_mix and one landing in D_ft, many runs each."""
+    release = config.releases
+    setup = pipeline_setup(release, config.seed)
+    rng = np.random.default_rng(config.seed + 29)
+    mix_units, ft_units = len(setup["preds"]) + 1, len(setup["y"]) + 1
+    plans = _pipeline_plans(release, mix_units, ft_units)
     row = {
         "release": "end-to-end pipeline",
         "claimed_epsilon": max(p.spent().epsilon for p in plans),
@@ -728,24 +733,7 @@ def pipeline_one_run(config: AuditConfig) -> dict:
     ft_data, _, n, dim = _with_canaries(setup["x"][:, :-1], setup["y"], m, 1)
     present = np.append(np.ones(n, bool), included)
     mix_units = len(setup["preds"])
-    mix_plan, ft_plan = (
-        _plan(
-            release.epsilon,
-            release.delta,
-            release.clip_norm,
-            release.pipeline_mix_batch,
-            release.pipeline_mix_steps,
-            mix_units,
-        ),
-        _plan(
-            release.epsilon,
-            release.delta,
-            release.clip_norm,
-            release.pipeline_ft_batch,
-            release.pipeline_ft_steps,
-            int(present.sum()),
-        ),
-    )
+    mix_plan, ft_plan = _pipeline_plans(release, mix_units, int(present.sum()))
     row = {
         "release": "end-to-end pipeline",
         "claimed_epsilon": max(mix_plan.spent().epsilon, ft_plan.spent().epsilon),
