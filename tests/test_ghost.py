@@ -101,14 +101,14 @@ def test_non_finite_and_padded_rows_of_a_model_contribute_zero():
 
 
 @pytest.mark.parametrize(
-    ("channels", "features", "chunk_bytes"), [(8, 16, None), (2, 3, None), (2, 3, 3 * 576)]
+    ("channels", "features", "chunk"), [(8, 16, None), (2, 3, None), (2, 3, 3), (2, 3, 4)]
 )
-def test_conv_layouts_and_forms_match_vmap(channels, features, chunk_bytes, monkeypatch):
+def test_conv_layouts_and_forms_match_vmap(channels, features, chunk, monkeypatch):
     # NCHW input, OIHW kernel of size (3, 2), strides (2, 1), "SAME" padding, bias; T = 3·4 = 12
     # output positions. (8, 16): T·(48 + 16) <= 48·16, Gram of patches; (2, 3): per-example form,
-    # whose 12 x 12 float patches (576 bytes) per example can also go in chunks of 3 (and 1).
-    if chunk_bytes is not None:
-        monkeypatch.setattr(ghost, "_CPU_CHUNK_BYTES", chunk_bytes)
+    # in chunks of 2 (the default), 3 (and a remainder of 1), or the whole batch of 4.
+    if chunk is not None:
+        monkeypatch.setattr(ghost, "_CPU_CHUNK_EXAMPLES", chunk)
     dims = ("NCHW", "OIHW", "NCHW")
 
     def loss_fn(params, batch, tape):
@@ -134,6 +134,49 @@ def test_conv_layouts_and_forms_match_vmap(channels, features, chunk_bytes, monk
     np.testing.assert_allclose(stats["grad_norm"], ref_stats["grad_norm"], rtol=1e-4)
     assert float(stats["grad_norm"].min()) > 1.0
     _assert_trees_close(total, ref_total)
+
+
+@pytest.mark.parametrize(
+    ("dims", "kernel_size", "strides", "padding", "spatial"),
+    [
+        (("NHWC", "HWIO", "NHWC"), (3, 3), (1, 1), ((1, 1), (1, 1)), (7, 5)),
+        (("NCHW", "OIHW", "NCHW"), (3, 2), (1, 1), "SAME", (6, 4)),
+        (("NHWC", "HWIO", "NHWC"), (2, 3), (1, 1), ((0, 2), (1, 0)), (5, 6)),
+        (("NHWC", "HWIO", "NHWC"), (1, 1), (1, 1), "VALID", (4, 3)),
+        (("NHWC", "WHIO", "NHWC"), (3, 2), (1, 1), "VALID", (6, 5)),
+        (("NWC", "WIO", "NWC"), (3,), (1,), "SAME", (9,)),
+        (("NDHWC", "DHWIO", "NDHWC"), (2, 3, 2), (1, 1, 1), "SAME", (3, 4, 5)),
+        (("NHWC", "HWIO", "NHWC"), (3, 3), (2, 2), ((1, 1), (1, 1)), (7, 6)),
+    ],
+)
+def test_per_example_kernel_grads_match_each_examples_conv_transpose(
+    dims, kernel_size, strides, padding, spatial
+):
+    # Each example's kernel gradient, by either form (shifted copies: stride 1 only) and by the
+    # form the layer picks, against the transpose of its own convolution.
+    channels, features, batch = 3, 4, 3
+    lhs, rhs, out = dims
+    sizes = dict(zip((c for c in rhs if c not in "IO"), kernel_size, strict=True))
+    kernel_shape = tuple({**sizes, "I": channels, "O": features}[c] for c in rhs)
+    spatial_letters = [c for c in lhs if c not in "NC"]
+    in_sizes = {"N": batch, "C": channels, **dict(zip(spatial_letters, spatial, strict=True))}
+    x = jax.random.normal(jax.random.key(0), tuple(in_sizes[c] for c in lhs))
+    kernel = jnp.zeros(kernel_shape)
+    conv_fn = jax.lax.conv_general_dilated
+
+    def apply(inputs, k):
+        return conv_fn(inputs, k, strides, padding, dimension_numbers=dims)
+
+    g = jax.random.normal(jax.random.key(1), jax.eval_shape(apply, x, kernel).shape)
+    layer = ghost._Conv(kernel_shape, strides, padding, dims)
+    forms = [layer.per_example_kernel_grads, layer._unfolded_kernel_grads]
+    if set(strides) == {1}:
+        forms.append(layer._shifted_kernel_grads)
+    for form in forms:
+        got = jax.jit(form)(x, g)
+        for j in range(batch):
+            one = jax.linear_transpose(lambda k, j=j: apply(x[j : j + 1], k), kernel)(g[j : j + 1])
+            np.testing.assert_allclose(got[j], one[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 import hashlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -101,3 +102,21 @@ def test_prng_key_depends_on_every_bit_of_a_large_seed():
     for bad in (-1, 1.5, "0", True):
         with pytest.raises(ValueError, match="seed"):
             randomness.resolve_seed(bad)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 4096, 100_003])
+def test_noise_draws_are_jax_normal_bit_for_bit(size):
+    # The unrolled threefry must give exactly JAX's draws: the noise is JAX's Gaussian, faster.
+    draw = jax.jit(randomness.normal, static_argnums=1)
+    for key in (jax.random.key(0), randomness.prng_key(2**70 + 9), jax.random.PRNGKey(3)):
+        expected = jax.random.normal(key, (size,), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(draw(key, size)), np.asarray(expected))
+    keys = jax.random.split(jax.random.key(1), 2)
+    assert not np.array_equal(draw(keys[0], size), draw(keys[1], size))
+
+
+def test_noise_draws_from_another_key_implementation_are_jax_normal():
+    key = jax.random.key(4, impl="rbg")
+    np.testing.assert_array_equal(
+        np.asarray(randomness.normal(key, 33)), np.asarray(jax.random.normal(key, (33,)))
+    )

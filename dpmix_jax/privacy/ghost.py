@@ -12,8 +12,8 @@ the per-example gradient otherwise (its B·d_in·d_out floats are then fewer tha
 d_out) of the layer's kept input and output gradient, and the clipped sum is a weighted sum of it).
 Embeddings use one-hot inputs (the Gram of the ids is an equality test), a tied output head
 (`logits = h @ Eᵀ`) puts the logit gradient on the table side, convolutions use their unfolded
-patches for both forms (per-example kernels are batched matmuls of patches and output gradients,
-taken in cache-sized chunks of examples on CPU), and the scale and shift of
+patches for the Gram form and, for per-example kernels, batched matmuls of the output gradients
+with either unfolded patches or shifted copies of the input (stride 1), and the scale and shift of
 a normalisation layer have direct per-example gradients Σ_t x̂_t ⊙ v_t and Σ_t v_t. A parameter
 used by several layers (a tied embedding) gets the cross terms Σ_{t,s} (u_t · u'_s)(v_t · v'_s)
 too, so its norm is that of the summed gradient.
@@ -73,8 +73,10 @@ TapedLossFn = Callable[[PyTree, PyTree, "Tape"], jax.Array]
 # Where a factor of an outer product comes from: the layer's recorded input ("input"), its
 # recorded integer ids read as one-hot rows ("ids"), or the gradient at its output ("grad").
 _INPUT, _IDS, _GRAD = "input", "ids", "grad"
-# Working-set size of one chunk of per-example convolution gradients on CPU (about an L2/L3 slice).
-_CPU_CHUNK_BYTES = 4 * 2**20
+# Examples per step of the loop that forms per-example convolution gradients on CPU. Measured on
+# ResNet-tiny and ResNet-18 layers (2-core Xeon): one example per step pays the loop's overhead,
+# and a whole batch at once runs 1.5-3x slower than two at a time once its arrays leave the cache.
+_CPU_CHUNK_EXAMPLES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +117,8 @@ class _Conv:
         rhs = self.dimension_numbers[1]
         return tuple(self.kernel_shape[rhs.index(c)] for c in self.spatial)
 
-    def unfold(self, x: jax.Array) -> jax.Array:
-        """(B, k·C, T) input patches: kernel offsets, then channels; output positions last.
-
-        Built from strided slices of the padded input in channel-major layout, so that the
-        positions axis is contiguous for the contraction over it (XLA's generic patch
-        extraction is a convolution with an identity kernel, several times slower on CPU).
-        """
+    def _padded_channel_major(self, x: jax.Array) -> tuple[jax.Array, list[int]]:
+        """(B, C, *spatial) zero-padded input, spatial axes in kernel order; the output sizes."""
         lhs = self.dimension_numbers[0]
         spatial = [lhs.index(c) for c in self.spatial]
         x = jnp.transpose(x, (lhs.index("N"), lhs.index("C"), *spatial))
@@ -131,11 +128,19 @@ class _Conv:
             pads = jax.lax.padtype_to_pads(in_sizes, self.kernel_size, self.strides, pads)
         x = jnp.pad(x, ((0, 0), (0, 0), *pads))
         out_sizes = [
-            (n + lo + hi - k) // s + 1
-            for n, (lo, hi), k, s in zip(
-                in_sizes, pads, self.kernel_size, self.strides, strict=True
-            )
+            (n - k) // s + 1
+            for n, k, s in zip(x.shape[2:], self.kernel_size, self.strides, strict=True)
         ]
+        return x, out_sizes
+
+    def unfold(self, x: jax.Array) -> jax.Array:
+        """(B, k·C, T) input patches: kernel offsets, then channels; output positions last.
+
+        Built from strided slices of the padded input in channel-major layout, so that the
+        positions axis is contiguous for the contraction over it (XLA's generic patch
+        extraction is a convolution with an identity kernel, several times slower on CPU).
+        """
+        x, out_sizes = self._padded_channel_major(x)
         slices = [
             x[(..., *(slice(o, o + s * (n - 1) + 1, s)
                       for o, s, n in zip(offset, self.strides, out_sizes, strict=True)))]
@@ -151,24 +156,44 @@ class _Conv:
         return g.reshape(*g.shape[:2], -1)
 
     def per_example_kernel_grads(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
-        """(B, *kernel_shape) kernel gradients: batched matmuls over unfolded patches.
+        """(B, *kernel_shape) kernel gradients of every example.
 
-        On CPU the examples go through in chunks whose patches fit in cache; a whole batch's
-        patches can be far larger than the kernels, and the contraction slows several-fold
-        once they spill.
+        A stride-1 convolution whose shifted copies (`_correlate`) are smaller than its
+        unfolded patches takes them (a 3x3 layer with more than half as many input channels as
+        outputs); a strided one, or one with few input channels such as an RGB stem, contracts
+        unfolded patches. On CPU the examples go through two at a time
+        (`_CPU_CHUNK_EXAMPLES`).
         """
+        size = self.kernel_size
+        channels = self.kernel_shape[self.dimension_numbers[1].index("I")]
         out_channels = self.kernel_shape[self.dimension_numbers[1].index("O")]
-        patch_rows = math.prod(self.kernel_shape) // out_channels
         positions = out_grads[0].size // out_channels
-        patch_bytes = 4 * patch_rows * positions
-        return _map_in_chunks(self._kernel_grads, (inputs, out_grads), patch_bytes)
+        patch_rows = math.prod(size) * channels * positions
+        shifted_rows = (size[-1] * channels + math.prod(size[:-1]) * out_channels) * positions
+        if all(s == 1 for s in self.strides) and shifted_rows < patch_rows:
+            fn = self._shifted_kernel_grads
+        else:
+            fn = self._unfolded_kernel_grads
+        return _map_in_chunks(fn, (inputs, out_grads))
 
-    def _kernel_grads(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
+    def _shifted_kernel_grads(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
+        x, out_sizes = self._padded_channel_major(inputs)
+        g = self.channel_major(out_grads)
+        return self._kernel_layout(
+            _correlate(x, g.reshape(*g.shape[:2], *out_sizes), self.kernel_size)
+        )
+
+    def _unfolded_kernel_grads(self, inputs: jax.Array, out_grads: jax.Array) -> jax.Array:
         # Without the barrier XLA:CPU fuses the slicing into the matmul's operand and loses its
         # fast dot kernel.
         patches = jax.lax.optimization_barrier(self.unfold(inputs))
         grads = jnp.einsum("bkt,bot->bko", patches, self.channel_major(out_grads))
-        grads = grads.reshape(grads.shape[0], *self.kernel_size, -1, grads.shape[-1])
+        return self._kernel_layout(
+            grads.reshape(grads.shape[0], *self.kernel_size, -1, grads.shape[-1])
+        )
+
+    def _kernel_layout(self, grads: jax.Array) -> jax.Array:
+        """(B, *spatial, I, O) in kernel spatial order -> (B, *kernel_shape)."""
         order = self.spatial + "IO"
         return jnp.transpose(grads, (0, *(1 + order.index(c) for c in self.dimension_numbers[1])))
 
@@ -296,15 +321,47 @@ class Tape:
         return self._record(name, outputs, uses, {"normalized": normalized})
 
 
-def _map_in_chunks(fn: Callable, batch: tuple, bytes_per_example: int) -> jax.Array:
-    """`fn(*batch)` for a batched `fn`, chunked over examples on CPU to stay cache-resident."""
+def _map_in_chunks(fn: Callable, batch: tuple) -> jax.Array:
+    """`fn(*batch)` for a batched `fn`, `_CPU_CHUNK_EXAMPLES` examples at a time on CPU."""
     size = batch[0].shape[0]
-    chunk = (
-        size if jax.default_backend() != "cpu" else max(1, _CPU_CHUNK_BYTES // bytes_per_example)
-    )
-    if chunk >= size:
+    if jax.default_backend() != "cpu" or size <= _CPU_CHUNK_EXAMPLES:
         return fn(*batch)
-    return jax.lax.map(lambda one: fn(*(x[None] for x in one))[0], batch, batch_size=chunk)
+    return jax.lax.map(
+        lambda one: fn(*(x[None] for x in one))[0], batch, batch_size=_CPU_CHUNK_EXAMPLES
+    )
+
+
+def _correlate(x: jax.Array, g: jax.Array, kernel_size: Sequence[int]) -> jax.Array:
+    """(B, *kernel_size, C, O): Σ_t x[b, c, t + d] · g[b, o, t] for every kernel offset d.
+
+    `x` is (B, C, *P) and `g` (B, O, *out) with P_i >= out_i + k_i - 1 (a stride-1
+    convolution's padded input and output gradient). Flattening x's grid, and laying g on the
+    same grid with zeros past its edge, offset d reads x at flat position t + Σ_i d_i·stride_i.
+    The offsets along the last axis shift x, those along the leading axes shift g the other
+    way, and one batched matmul over positions of the two stacks gives every pair, i.e. every
+    offset: k_last + Π k_lead copies of the layer's arrays instead of the Π k of unfolded
+    patches.
+    """
+    batch, channels, grid = x.shape[0], x.shape[1], x.shape[2:]
+    *lead_sizes, last_size = kernel_size
+    flat_strides = [math.prod(grid[i + 1 :]) for i in range(len(grid))]
+    edges = [(0, p - o) for p, o in zip(grid[1:], g.shape[3:], strict=True)]
+    g = jnp.pad(g, ((0, 0), (0, 0), (0, 0), *edges)).reshape(batch, g.shape[1], -1)
+    shifts = [
+        sum(d * s for d, s in zip(offset, flat_strides, strict=False))
+        for offset in itertools.product(*map(range, lead_sizes))
+    ]
+    length = g.shape[-1] + max(shifts)
+    g_stack = jnp.concatenate(
+        [jnp.pad(g, ((0, 0), (0, 0), (s, length - g.shape[-1] - s))) for s in shifts], axis=1
+    )
+    flat = x.reshape(batch, channels, -1)
+    flat = jnp.pad(flat, ((0, 0), (0, 0), (0, max(0, length + last_size - 1 - flat.shape[-1]))))
+    x_stack = jnp.concatenate([flat[..., d : d + length] for d in range(last_size)], axis=1)
+    grads = jnp.einsum("bkt,bot->bko", x_stack, g_stack)
+    grads = grads.reshape(batch, last_size, channels, *lead_sizes, -1)
+    lead_axes = range(3, 3 + len(lead_sizes))
+    return jnp.transpose(grads, (0, *lead_axes, 1, 2, grads.ndim - 1))
 
 
 def _rows(x: jax.Array) -> jax.Array:

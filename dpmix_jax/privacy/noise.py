@@ -33,7 +33,7 @@ import optax
 
 from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
 from dpmix_jax.privacy.clipping import ClippedGradSum
-from dpmix_jax.privacy.randomness import prng_key, secret_seed
+from dpmix_jax.privacy.randomness import normal, prng_key, secret_seed
 
 PyTree = Any
 
@@ -52,7 +52,7 @@ def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
     """
     leaves, treedef = jax.tree.flatten(like)
     sizes = [leaf.size for leaf in leaves]
-    flat = stddev * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    flat = stddev * normal(key, sum(sizes))
     parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if leaves else []
     noise = [
         part.reshape(leaf.shape).astype(leaf.dtype)
