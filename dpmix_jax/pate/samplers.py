@@ -46,15 +46,16 @@ scanned, or the whole vocabulary when there are many. Output histograms thus hav
 law (not its bits for the same key). With n·K ≪ V and peaked (LM-like) teachers most histograms
 need no completion (cost O(|S| + n·(K + L + B)) instead of O(n·V)); a single block (one M over
 V \\ S) would be valid too but far looser, as it treats every outside token like the largest one.
-When |S| is a large part of V (flat or diverse teachers), the flat-teacher certificate runs
-instead: per histogram only the L = 64 largest of the V shared noise values are drawn, with their
-positions (in law: Rényi's representation of the smallest exponential clocks, and a uniform
-L-subset of positions by Floyd's algorithm, matched in random order), plus the (L+1)-th largest
-g_(L+1). Teacher i's best token among those L wins when its score beats max_j x_ij + g_(L+1),
-a bound on every other token's score; failing teachers are rescanned on the completed vector
-(the others iid Gumbel truncated below g_(L+1)), exactly as above. On flat teachers (logits
-within about ln L of their maximum) most votes are certified. No truncation (top-p) is offered:
-that would be a different distribution.
+When |S| is a large part of V (flat or diverse teachers), the block certificate runs instead:
+each histogram draws its whole noise vector (the full scan's own bits for the key: V values,
+cheap next to the n·V scores), the vocabulary is cut into blocks of 16 tokens, and with the
+per-teacher block maxima c_ib of the logits (once per call) and the block maxima M_b of the noise,
+c_ib + M_b bounds every score in block b. Each teacher scans only its 4 blocks of largest bound;
+its best token there wins when it beats the 5th largest bound, and the failing teachers are
+rescanned on the same noise vector, as above. The histograms are then the full scan's for the
+same key, bit for bit. A block's bound is loose by about the spread of its 16 logits, so most
+teachers are certified unless their probability is spread over many blocks. No truncation
+(top-p) is offered: that would be a different distribution.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -75,6 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import randomness
 
 __all__ = [
     "Draw",
@@ -88,7 +90,7 @@ _LEADERS = 8  # largest head-noise values whose exact scores enter the certifica
 _DEFAULT_BATCH = 4  # histograms vmapped together in the lazy sampler's main pass
 _EXACT_BLOCKS = 10  # blocks (2^E - 1 best-ranked complement tokens) with exact per-teacher c_ib
 _RESCAN_TOKENS = 128  # candidate tokens of a pruned rescan (more: scan the whole vocabulary)
-_FLAT_LEADERS = 64  # largest noise values drawn first by the flat-teacher certificate
+_BLOCK_TOKENS = 16  # tokens per block of the block certificate (large heads)
 # Fewer histograms than this are drawn by the full scan even with `top_k`: the lazy set-up (top-K,
 # plan) costs about as much as this many full-scan histograms (each one pass over the logits).
 _LAZY_MIN_HISTOGRAMS = 16
@@ -133,6 +135,11 @@ def _check_batch(batch_size: int | None) -> int | None:
 
 def _bincount(votes: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.zeros((vocab_size,), jnp.int32).at[votes].add(1)
+
+
+def _shared_noise(key, vocab):
+    """One histogram's shared noise: `jax.random.gumbel(key, (V,))`, rounds unrolled (faster)."""
+    return jax.random.gumbel(randomness.unrolled(key), (vocab,))
 
 
 def _row_votes(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -256,11 +263,14 @@ def coordinated_sampler(
         head_tokens, in_head = _head(values, indices, vocab)
         width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
         chosen_batch = _DEFAULT_BATCH if batch_size is None else batch_size
-        if width is None and vocab < 4 * _FLAT_LEADERS:
+        if width is None and vocab < 4 * _BLOCK_TOKENS:
             prepared.append(full)
         elif width is None:
+            plan = _block_plan(scaled, values, head_tokens)
             prepared.append(
-                lambda key, r: _coordinated_flat(key, scaled, r, fallback_rows, chosen_batch)
+                lambda key, r: _coordinated_blocks(
+                    key, scaled, plan, r, fallback_rows, chosen_batch
+                )
             )
         else:
             plan = _plan(scaled, values, head_tokens, in_head, width)
@@ -320,7 +330,7 @@ def _coordinated_full_pass(key, logits, num_histograms, temperature, batch_size)
     vocab = scaled.shape[1]
 
     def one(k):
-        votes, best = _row_votes(scaled, jax.random.gumbel(k, (vocab,)))
+        votes, best = _row_votes(scaled, _shared_noise(k, vocab))
         return _bincount(votes, vocab), best
 
     histograms, best = jax.lax.map(
@@ -513,63 +523,56 @@ def _coordinated_lazy(key, scaled, plan, num_histograms, fallback_rows, batch_si
     )
 
 
-class _FlatPlan(NamedTuple):
-    """What the flat-teacher certificate computes once per call."""
+class _BlockPlan(NamedTuple):
+    """What the block certificate computes once per call."""
 
-    row_max: jax.Array  # (n,) max_j x_ij
+    cand_values: jax.Array  # (n, K) x_ij on T_i (-inf for left-out candidates)
+    cand_tokens: jax.Array  # (n, K) token ids of T_i (V for left-out candidates)
+    block_x: jax.Array  # (B, n) max of x_ij over block b's tokens outside T_i, at most b_i
     column_max: jax.Array  # (V,) max_i x_ij
 
 
-def _top_noise(key, vocab, count):
-    """The `count` largest of V iid Gumbel(0, 1) values (descending) and their positions, drawn
-    directly in law: by Rényi's representation the k-th smallest of V iid Exp(1) clocks is
-    Σ_{i<=k} Z_i / (V - i + 1) (Z iid Exp(1)), and g = -log(clock); the positions are a uniform
-    `count`-subset (Floyd's algorithm) matched to the values in uniformly random order."""
-    key_gaps, key_subset, key_order = jax.random.split(key, 3)
-    gaps = jax.random.exponential(key_gaps, (count,)) / (vocab - jnp.arange(count))
-    values = -jnp.log(jnp.cumsum(gaps))
-
-    def floyd(i, chosen):
-        top = vocab - count + i
-        pick = jax.random.randint(jax.random.fold_in(key_subset, i), (), 0, top + 1)
-        return chosen.at[i].set(jnp.where(jnp.any(chosen == pick), top, pick))
-
-    chosen = jax.lax.fori_loop(0, count, floyd, jnp.full((count,), -1, jnp.int32))
-    return values, chosen[jax.random.permutation(key_order, count)]
+def _block_max(x, width):
+    """(..., V) -> (..., ceil(V / width)): maxima over consecutive blocks of `width` tokens."""
+    vocab = x.shape[-1]
+    window = (1,) * (x.ndim - 1) + (width,)
+    padding = [(0, 0)] * (x.ndim - 1) + [(0, -vocab % width)]
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, padding)
 
 
-def _flat_certified_votes(key, scaled, plan: _FlatPlan):
-    """Each teacher's best token among the L largest noise values, its score, and whether it
-    provably wins: every other token j has g_j <= g_(L+1) and x_ij <= max_j x_ij."""
-    vocab = scaled.shape[1]
-    values, positions = _top_noise(key, vocab, _FLAT_LEADERS + 1)
-    scores = jnp.take(scaled, positions[:-1], axis=1) + values[:-1]
-    best = jnp.max(scores, axis=-1)
-    winner = jnp.min(jnp.where(scores == best[:, None], positions[:-1], vocab), axis=-1)
-    return winner, best, ~(best > plan.row_max + values[-1])
+@jax.jit
+def _block_plan(scaled, values, head_tokens):
+    n, top_k = head_tokens.shape
+    outside = scaled.at[jnp.arange(n)[:, None], head_tokens].set(-jnp.inf, mode="drop")
+    block_x = jnp.minimum(_block_max(outside, _BLOCK_TOKENS), values[:, top_k, None])
+    return _BlockPlan(
+        cand_values=values[:, :top_k],
+        cand_tokens=head_tokens,
+        block_x=block_x.T,  # blocks major: the per-teacher maximum is a fast column reduction
+        column_max=_column_max(scaled),
+    )
 
 
-def _flat_full_noise(key, plan: _FlatPlan):
-    """The whole noise vector, drawn conditionally on `_top_noise(key, V, L + 1)`: given the
-    L + 1 largest values and their positions, the others are iid Gumbel truncated to
-    (-∞, g_(L+1))."""
+def _block_certified_votes(key, plan: _BlockPlan):
+    """Each teacher's best token of T_i, its score, and whether it provably wins: a token of
+    block b outside T_i scores at most min(c_ib, b_i) + M_b, M_b the block's largest noise."""
     vocab = plan.column_max.shape[0]
-    values, positions = _top_noise(key, vocab, _FLAT_LEADERS + 1)
-    cap = values[-1]
-    rest = -jnp.log(jax.random.exponential(jax.random.fold_in(key, 7), (vocab,)) + jnp.exp(-cap))
-    rest = jnp.minimum(rest, jnp.nextafter(cap, -jnp.inf))
-    return rest.at[positions].set(values)
+    noise = _shared_noise(key, vocab)
+    scores = plan.cand_values + noise[jnp.minimum(plan.cand_tokens, vocab - 1)]
+    best = jnp.max(scores, axis=-1)
+    winner = jnp.min(jnp.where(scores == best[:, None], plan.cand_tokens, vocab), axis=-1)
+    bound = jnp.max(plan.block_x + _block_max(noise, _BLOCK_TOKENS)[:, None], axis=0)
+    return winner, best, ~(best > bound)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _coordinated_flat(key, scaled, num_histograms, fallback_rows, batch_size):
-    plan = _FlatPlan(row_max=jnp.max(scaled, axis=1), column_max=_column_max(scaled))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _coordinated_blocks(key, scaled, plan, num_histograms, fallback_rows, batch_size):
     return _certify_then_rescan(
         jax.random.split(key, num_histograms),
         scaled,
         plan.column_max,
-        functools.partial(_flat_certified_votes, scaled=scaled, plan=plan),
-        functools.partial(_flat_full_noise, plan=plan),
+        functools.partial(_block_certified_votes, plan=plan),
+        lambda key: _shared_noise(key, scaled.shape[1]),
         fallback_rows,
         batch_size,
     )

@@ -12,6 +12,7 @@ API:
     secret_seed() -> int                 128 bits from the operating system (never log it)
     resolve_seed(seed) -> (seed, seeded) the seed to use, and whether it was given
     prng_key(seed) -> jax.Array          a JAX key from an integer seed of any size
+    unrolled(key) -> jax.Array           the same key with the threefry rounds written out (faster)
     normal(key, size) -> jax.Array       N(0, 1) float32 draws, `jax.random.normal`'s, faster on CPU
 """
 
@@ -126,18 +127,27 @@ _FAST_THREEFRY = jax.extend.random.define_prng_impl(
 )
 
 
-def normal(key: jax.Array, size: int) -> jax.Array:
-    """`size` independent N(0, 1) float32 draws: `jax.random.normal(key, (size,), jnp.float32)`.
+def unrolled(key: jax.Array) -> jax.Array:
+    """`key` with JAX's threefry hash written out (`_threefry_2x32`): the same draws, faster.
 
-    For a (default) threefry key the draws are the same bits as JAX's, from the hash with its
-    rounds written out (`_threefry_2x32`); a key of another implementation, or more than 2**32
-    draws, go to JAX directly.
+    Any `jax.random` function of the returned key gives the bits it gives for `key`, for draws
+    of fewer than 2**32 words; a key of another implementation is returned as it is.
 
-    Privacy: the draws are as secret as `key`.
+    Privacy: the returned key is as secret as `key`.
     """
     if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # a raw uint32 key of the default implementation
-    if size >= _WORD or str(jax.random.key_impl(key)) != "threefry2x32":
+    if str(jax.random.key_impl(key)) != "threefry2x32":
+        return key
+    return jax.random.wrap_key_data(jax.random.key_data(key), impl=_FAST_THREEFRY)
+
+
+def normal(key: jax.Array, size: int) -> jax.Array:
+    """`size` independent N(0, 1) float32 draws: `jax.random.normal(key, (size,), jnp.float32)`,
+    through `unrolled(key)` (2**32 draws or more go to JAX as they are).
+
+    Privacy: the draws are as secret as `key`.
+    """
+    if size >= _WORD:
         return jax.random.normal(key, (size,), jnp.float32)
-    fast = jax.random.wrap_key_data(jax.random.key_data(key), impl=_FAST_THREEFRY)
-    return jax.random.normal(fast, (size,), jnp.float32)
+    return jax.random.normal(unrolled(key), (size,), jnp.float32)
