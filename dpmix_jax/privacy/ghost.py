@@ -75,7 +75,7 @@ TapedLossFn = Callable[[PyTree, PyTree, "Tape"], jax.Array]
 _INPUT, _IDS, _GRAD = "input", "ids", "grad"
 # Examples per step of the loop that forms per-example convolution gradients on CPU. Measured on
 # ResNet-tiny and ResNet-18 layers (2-core Xeon): one example per step pays the loop's overhead,
-# and a whole batch at once runs 1.5-3x slower than two at a time once its arrays leave the cache.
+# and a whole batch at once runs 1.4-3.5x slower than two at a time once its arrays leave the cache.
 _CPU_CHUNK_EXAMPLES = 2
 
 
