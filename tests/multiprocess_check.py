@@ -13,8 +13,10 @@ import os
 import pathlib
 import sys
 
+from simulated_devices import xla_flags
+
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = xla_flags(2)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -7,7 +7,9 @@ one private step on a single device and on the mesh, and whether parameters were
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+from simulated_devices import xla_flags
+
+os.environ["XLA_FLAGS"] = xla_flags(8)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from simulated_devices import xla_flags
 
 DEMO = [
     "demo", "--reproducible", "--epsilons", "1", "--seeds", "0",
@@ -28,7 +29,7 @@ def run_demo(out, devices: int, mesh: str | None, processes: int = 1) -> list[di
     env |= {
         "JAX_PLATFORMS": "cpu",
         "HF_HUB_OFFLINE": "1",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
     }
     command = [sys.executable, "-m", "dpmix_jax.cli", *DEMO, "--out", str(out)]
     command += [] if mesh is None else ["--mesh", mesh]

@@ -9,6 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from simulated_devices import xla_flags
 
 from dpmix_jax import parallel
 
@@ -39,7 +40,7 @@ def test_mesh_config_and_sharding_rule():
 @pytest.mark.slow
 def test_private_step_on_8_devices_matches_1_device():
     script = pathlib.Path(__file__).with_name("parallel_check.py")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     out = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600
     )

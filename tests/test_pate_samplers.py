@@ -374,6 +374,28 @@ def test_full_scan_matches_argmax_of_shared_gumbel():
     np.testing.assert_array_equal(np.asarray(hist), np.asarray(expected))
 
 
+@pytest.mark.parametrize("vocab", [2048, 5000])  # whole 128-token chunks; and a tail of 8
+def test_long_row_votes_are_first_argmaxes(vocab):
+    # Ties planted within a chunk, across chunks, between a chunk and the tail, the maximum in
+    # the tail alone, and a row that is -inf but for one token.
+    noise = jnp.zeros(vocab)
+    rows = np.array(jax.random.normal(jax.random.key(0), (7, vocab)))
+    rows[0, [300, 301]] = 9.0
+    rows[1, [5, 4000 % vocab]] = 9.0
+    rows[2, [130, vocab - 3]] = 9.0
+    rows[3, vocab - 2] = 9.0
+    rows[4] = -np.inf
+    rows[4, 1000] = 0.0
+    rows[5, [vocab - 1, vocab - 4]] = 9.0
+    votes, best = jax.jit(samplers._row_votes)(jnp.asarray(rows), noise)
+    scores = rows + np.asarray(noise)
+    np.testing.assert_array_equal(np.asarray(votes), np.argmax(scores, axis=1))
+    np.testing.assert_array_equal(np.asarray(best), scores.max(axis=1))
+    gumbel = jax.random.gumbel(jax.random.key(1), (vocab,))
+    votes, best = jax.jit(samplers._row_votes)(jnp.asarray(rows), gumbel)
+    np.testing.assert_array_equal(np.asarray(votes), np.argmax(rows + np.asarray(gumbel), 1))
+
+
 def test_batch_size_does_not_change_histograms():
     logits = lm_like_logits(jax.random.key(10), 8, 200, sharpness=1.5)
     key = jax.random.key(12)
