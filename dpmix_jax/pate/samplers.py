@@ -369,14 +369,7 @@ def _top_k(scaled, top_k):
     n, vocab = scaled.shape
     width = min(_CHUNK, vocab)
     num_chunks = -(-vocab // width)
-    chunk_max = jax.lax.reduce_window(
-        scaled,
-        -jnp.inf,
-        jax.lax.max,
-        (1, width),
-        (1, width),
-        [(0, 0), (0, num_chunks * width - vocab)],
-    )
+    chunk_max = _block_max(scaled, width)
     _, chunks = jax.lax.top_k(chunk_max, min(top_k + 1, num_chunks))
     # The last chunk is read from vocab - width on; entries of the previous chunk are masked.
     tokens = jnp.minimum(chunks * width, vocab - width)[:, :, None] + jnp.arange(width)

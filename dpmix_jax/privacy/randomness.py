@@ -111,14 +111,15 @@ def _threefry(function):
     """A threefry key-data function from the `jax.random` function of a threefry key."""
 
     def apply(key_data, *args):
-        return jax.random.key_data(function(jax.random.wrap_key_data(key_data), *args))
+        key = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+        return jax.random.key_data(function(key, *args))
 
     return apply
 
 
 _FAST_THREEFRY = jax.extend.random.define_prng_impl(
     key_shape=(2,),
-    seed=lambda seed: jax.random.key_data(jax.random.key(seed)),
+    seed=lambda seed: jax.random.key_data(jax.random.key(seed, impl="threefry2x32")),
     split=_threefry(jax.random.split),
     random_bits=_threefry_bits,
     fold_in=_threefry(jax.random.fold_in),
@@ -130,8 +131,9 @@ _FAST_THREEFRY = jax.extend.random.define_prng_impl(
 def unrolled(key: jax.Array) -> jax.Array:
     """`key` with JAX's threefry hash written out (`_threefry_2x32`): the same draws, faster.
 
-    Any `jax.random` function of the returned key gives the bits it gives for `key`, for draws
-    of fewer than 2**32 words; a key of another implementation is returned as it is.
+    Any `jax.random` function of the returned key gives the bits it gives for `key` (under JAX's
+    default `jax_threefry_partitionable` counter layout), for draws of fewer than 2**32 words; a
+    key of another implementation is returned as it is.
 
     Privacy: the returned key is as secret as `key`.
     """
