@@ -434,47 +434,93 @@ def test_bad_inputs_raise(kwargs, match):
 
 
 # ------------------------------------------------------------------------------------------
-# Large heads: the block certificate.
+# Large heads: the noise-leader certificate.
 # ------------------------------------------------------------------------------------------
 
 
-def block_plan(logits, top_k):
+def leader_plan(logits, top_k):
     values, indices = samplers._top_k(logits, top_k)
     head_tokens, _ = samplers._head(values, indices, logits.shape[1])
-    return samplers._block_plan(logits, values, head_tokens)
+    return samplers._leader_plan(logits, values, head_tokens)
 
 
 @pytest.mark.parametrize("vocab", [640, 1000])  # whole blocks, and a last block of 8 tokens
-def test_block_certified_votes_are_argmaxes_of_the_full_scans_noise(vocab):
-    # Teacher 0 has one finite logit (its head holds -inf candidates); every teacher's largest
-    # logit is in the last, partial block.
-    logits = 1.5 * jax.random.normal(jax.random.key(42), (12, vocab))
-    logits = logits.at[:, vocab - 1].set(8.0).at[0].set(NEG_INF).at[0, 5].set(0.0)
-    plan = block_plan(logits, 8)
+def test_noise_leaders_are_the_tokens_above_the_threshold(vocab):
+    capacity, threshold = samplers._leader_sizes(vocab)
+    keys = jax.random.split(jax.random.key(41), 200)
+    noise = np.asarray(jax.vmap(lambda k: samplers._shared_noise(k, vocab))(keys))
+    # A threshold that keeps the count below the capacity, and one that overflows it.
+    for theta in (threshold, float(np.quantile(noise, 0.6))):
+        tokens, rest, overflow = jax.vmap(
+            lambda g, t=theta: samplers._noise_leaders(g, t, capacity)
+        )(jnp.asarray(noise))
+        rows = zip(noise, np.asarray(tokens), np.asarray(rest), np.asarray(overflow), strict=True)
+        for g, got, got_rest, got_overflow in rows:
+            above = np.flatnonzero(g > theta)
+            assert bool(got_overflow) == (above.size > capacity)
+            if above.size <= capacity:
+                expected = np.full(capacity, vocab)
+                expected[: above.size] = above
+                np.testing.assert_array_equal(got, expected)
+                assert float(got_rest) == g[g <= theta].max()
+
+
+@pytest.mark.parametrize("vocab", [640, 1000])
+def test_leader_certified_votes_are_argmaxes_of_the_full_scans_noise(vocab):
+    # Spread-out teachers and K = 2, so that some votes are not certified; teacher 0 has one
+    # finite logit (its head holds a -inf candidate).
+    logits = 3.0 * jax.random.normal(jax.random.key(42), (12, vocab))
+    logits = logits.at[0].set(NEG_INF).at[0, 5].set(0.0)
+    plan = leader_plan(logits, 2)
+    capacity, threshold = samplers._leader_sizes(vocab)
     keys = jax.random.split(jax.random.key(43), 2000)
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,)))(keys)
     np.testing.assert_array_equal(
         np.asarray(jax.vmap(lambda k: samplers._shared_noise(k, vocab))(keys)), np.asarray(noise)
     )
-    votes, _, failing = jax.vmap(lambda k: samplers._block_certified_votes(k, plan))(keys)
+    votes, _, failing = jax.vmap(
+        lambda k: samplers._leader_certified_votes(k, plan, threshold, capacity)
+    )(keys)
     argmax = np.argmax(np.asarray(logits)[None] + np.asarray(noise)[:, None, :], axis=-1)
     certified = ~np.asarray(failing)
-    assert 0.1 < certified.mean() < 1  # votes certified and votes left to the rescan
+    assert 0.5 < certified.mean() < 0.99  # votes certified and votes left to the rescan
     np.testing.assert_array_equal(np.asarray(votes)[certified], argmax[certified])
     assert certified[:, 0].all()  # a teacher with one finite logit is always certified
 
 
-@pytest.mark.parametrize("scale", [0.5, 2.0, 6.0])
-def test_block_sampler_gives_the_full_scans_histograms(scale):
-    # Diverse teachers over V = 700 with K = 100: the head is most of the vocabulary, so the
-    # block certificate runs; its histograms are the full scan's for the same key, rescans
-    # (of pruned candidates or whole rows) included.
-    logits = scale * jax.random.normal(jax.random.key(44), (16, 700))
+def test_leader_votes_break_ties_towards_the_smallest_token():
+    # Teachers 0 and 1 tie between a head token and a leader; teacher 2 between two leaders.
+    vocab = 256
+    noise = np.asarray(samplers._shared_noise(jax.random.key(46), vocab))
+    capacity, threshold = samplers._leader_sizes(vocab)
+    leaders = np.flatnonzero(noise > threshold)
+    low, high = int(leaders[0]), int(leaders[1])
+    logits = np.full((3, vocab), -50.0, np.float32)
+    logits[:, 7 if low != 7 else 8] = 0.0  # the head's only finite-scoring token (K = 1)
+    for i, (a, b) in enumerate([(low, high), (high, low), (low, high)]):
+        logits[i, a] = 40.0
+        logits[i, b] = np.float32(40.0 + noise[a]) - noise[b]
+    plan = leader_plan(jnp.asarray(logits), 1)
+    votes, best, failing = samplers._leader_certified_votes(
+        jax.random.key(46), plan, threshold, capacity
+    )
+    scores = logits + noise
+    np.testing.assert_array_equal(np.asarray(votes), np.argmax(scores, axis=1))
+    assert not np.asarray(failing).any()
+
+
+@pytest.mark.parametrize("scale", [2.0, 3.0, 6.0])
+def test_leader_sampler_gives_the_full_scans_histograms(scale):
+    # 64 diverse teachers over V = 700 with K = 6: their heads cover most of the vocabulary, so
+    # the noise-leader certificate runs; its histograms are the full scan's for the same key,
+    # rescans (of pruned candidates or whole rows) included.
+    logits = scale * jax.random.normal(jax.random.key(44), (64, 700))
     key, r = jax.random.key(45), 300
     full = samplers.coordinated_histograms(key, logits, r)
-    blocks = samplers.coordinated_sampler(logits, top_k=100, fallback_rows=3)(key, r)
-    np.testing.assert_array_equal(np.asarray(blocks), np.asarray(full))
-    _, _, failing = jax.vmap(lambda k: samplers._block_certified_votes(k, block_plan(logits, 100)))(
-        jax.random.split(key, r)
-    )
-    assert 0 < float(np.mean(np.asarray(failing))) < 1
+    leaders = samplers.coordinated_sampler(logits, top_k=6, fallback_rows=3)(key, r)
+    np.testing.assert_array_equal(np.asarray(leaders), np.asarray(full))
+    capacity, threshold = samplers._leader_sizes(700)
+    _, _, failing = jax.vmap(
+        lambda k: samplers._leader_certified_votes(k, leader_plan(logits, 6), threshold, capacity)
+    )(jax.random.split(key, r))
+    assert 0 < float(np.mean(np.asarray(failing))) < 0.01

@@ -46,16 +46,16 @@ scanned, or the whole vocabulary when there are many. Output histograms thus hav
 law (not its bits for the same key). With n·K ≪ V and peaked (LM-like) teachers most histograms
 need no completion (cost O(|S| + n·(K + L + B)) instead of O(n·V)); a single block (one M over
 V \\ S) would be valid too but far looser, as it treats every outside token like the largest one.
-When |S| is a large part of V (flat or diverse teachers), the block certificate runs instead:
-each histogram draws its whole noise vector (the full scan's own bits for the key: V values,
-cheap next to the n·V scores), the vocabulary is cut into blocks of 16 tokens, and with the
-per-teacher block maxima c_ib of the logits (once per call) and the block maxima M_b of the noise,
-c_ib + M_b bounds every score in block b. Each teacher scans only its 4 blocks of largest bound;
-its best token there wins when it beats the 5th largest bound, and the failing teachers are
-rescanned on the same noise vector, as above. The histograms are then the full scan's for the
-same key, bit for bit. A block's bound is loose by about the spread of its 16 logits, so most
-teachers are certified unless their probability is spread over many blocks. No truncation
-(top-p) is offered: that would be a different distribution.
+When |S| is a large part of V (flat or diverse teachers), the noise-leader certificate runs
+instead. Each histogram draws its whole noise vector (the full scan's own bits for the key: V
+values, cheap next to the n·V scores) and takes its leaders L, the tokens whose noise exceeds a
+fixed θ (about 576 of them, at most 768: `_leader_sizes`). Teacher i's best token among T_i ∪ L
+wins when it beats b_i + max_{j ∉ L} g_j, which bounds the score of every other token: a token
+outside T_i has x_ij ≤ b_i. The leaders' scores are contiguous rows of the logits transposed
+once per call (V, n). Failing teachers (about 1 in 10^5 on N(0, 2²) teachers) are rescanned on
+the same noise vector, as above, so the histograms are the full scan's for the same key, bit for
+bit. The transposed copy doubles the memory the logits take. No truncation (top-p) is offered:
+that would be a different distribution.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -90,7 +90,9 @@ _LEADERS = 8  # largest head-noise values whose exact scores enter the certifica
 _DEFAULT_BATCH = 4  # histograms vmapped together in the lazy sampler's main pass
 _EXACT_BLOCKS = 10  # blocks (2^E - 1 best-ranked complement tokens) with exact per-teacher c_ib
 _RESCAN_TOKENS = 128  # candidate tokens of a pruned rescan (more: scan the whole vocabulary)
-_BLOCK_TOKENS = 16  # tokens per block of the block certificate (large heads)
+_NOISE_LEADERS = 768  # most noise leaders a histogram gathers (large heads; `_leader_sizes`)
+_LEADER_BLOCK = 16  # tokens per block when finding the noise leaders
+_LEADER_MIN_VOCAB = 64  # below this a large head means the full scan
 # Fewer histograms than this are drawn by the full scan even with `top_k`: the lazy set-up (top-K,
 # plan) costs about as much as this many full-scan histograms (each one pass over the logits).
 _LAZY_MIN_HISTOGRAMS = 16
@@ -207,8 +209,8 @@ def coordinated_histograms(
         temperature: t > 0; votes are drawn from softmax(logits / t).
         top_k: if set, the lazy sampler with K head tokens per teacher (K < V; module
             docstring) for draws of at least `_LAZY_MIN_HISTOGRAMS` = 16 histograms: same law
-            as the full scan, not the same bits for the same key. It looks once at the head
-            size on the host, so call it outside `jax.jit`.
+            as the full scan (the same bits for the same key when the heads cover most of
+            V). It looks once at the head size on the host, so call it outside `jax.jit`.
         fallback_rows: with `top_k`, the failing teachers of a histogram are rescanned over V
             this many rows at a time (speed only).
         batch_size: histograms vmapped together inside `lax.map` (memory vs speed); None means
@@ -279,12 +281,12 @@ def coordinated_sampler(
         head_tokens, in_head = _head(values, indices, vocab)
         width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
         chosen_batch = _DEFAULT_BATCH if batch_size is None else batch_size
-        if width is None and vocab < 4 * _BLOCK_TOKENS:
+        if width is None and vocab < _LEADER_MIN_VOCAB:
             prepared.append(full)
         elif width is None:
-            plan = _block_plan(scaled, values, head_tokens)
+            plan = _leader_plan(scaled, values, head_tokens)
             prepared.append(
-                lambda key, r: _coordinated_blocks(
+                lambda key, r: _coordinated_leaders(
                     key, scaled, plan, r, fallback_rows, chosen_batch
                 )
             )
@@ -532,15 +534,6 @@ def _coordinated_lazy(key, scaled, plan, num_histograms, fallback_rows, batch_si
     )
 
 
-class _BlockPlan(NamedTuple):
-    """What the block certificate computes once per call."""
-
-    cand_values: jax.Array  # (n, K) x_ij on T_i (-inf for left-out candidates)
-    cand_tokens: jax.Array  # (n, K) token ids of T_i (V for left-out candidates)
-    block_x: jax.Array  # (B, n) max of x_ij over block b's tokens outside T_i, at most b_i
-    column_max: jax.Array  # (V,) max_i x_ij
-
-
 def _block_max(x, width):
     """(..., V) -> (..., ceil(V / width)): maxima over consecutive blocks of `width` tokens."""
     vocab = x.shape[-1]
@@ -549,38 +542,90 @@ def _block_max(x, width):
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, padding)
 
 
+class _LeaderPlan(NamedTuple):
+    """What the noise-leader certificate computes once per call."""
+
+    cand_values: jax.Array  # (n, K) x_ij on T_i (-inf for left-out candidates)
+    cand_tokens: jax.Array  # (n, K) token ids of T_i (V for left-out candidates)
+    outside: jax.Array  # (n,) b_i, the largest x_ij outside T_i
+    tokens_major: jax.Array  # (V, n) x transposed: a leader's scores are one contiguous row
+    column_max: jax.Array  # (V,) max_i x_ij
+
+
 @jax.jit
-def _block_plan(scaled, values, head_tokens):
-    n, top_k = head_tokens.shape
-    outside = scaled.at[jnp.arange(n)[:, None], head_tokens].set(-jnp.inf, mode="drop")
-    block_x = jnp.minimum(_block_max(outside, _BLOCK_TOKENS), values[:, top_k, None])
-    return _BlockPlan(
+def _leader_plan(scaled, values, head_tokens):
+    top_k = head_tokens.shape[1]
+    return _LeaderPlan(
         cand_values=values[:, :top_k],
         cand_tokens=head_tokens,
-        block_x=block_x.T,  # blocks major: the per-teacher maximum is a fast column reduction
+        outside=values[:, top_k],
+        tokens_major=scaled.T,
         column_max=_column_max(scaled),
     )
 
 
-def _block_certified_votes(key, plan: _BlockPlan):
-    """Each teacher's best token of T_i, its score, and whether it provably wins: a token of
-    block b outside T_i scores at most min(c_ib, b_i) + M_b, M_b the block's largest noise."""
-    vocab = plan.column_max.shape[0]
+def _leader_sizes(vocab: int) -> tuple[int, float]:
+    """(the most leaders a histogram gathers, the noise threshold that makes a leader).
+
+    The threshold θ has P(g > θ) = m / V for m = 3/4 of the capacity, so a histogram has
+    Binomial(V, m / V) leaders, more than the capacity with probability below 1e-9 at the full
+    capacity (then all its teachers are rescanned: exact, only slower)."""
+    capacity = min(_NOISE_LEADERS, max(vocab // 4, 1))
+    mean = 0.75 * capacity
+    return capacity, float(-np.log(-np.log1p(-mean / vocab)))
+
+
+def _noise_leaders(noise, threshold, capacity):
+    """The tokens whose noise exceeds `threshold` (ascending, padded with V to `capacity`), the
+    largest noise value of all other tokens, and whether a token above `threshold` was left
+    out (more than `capacity` of them).
+
+    Two levels (one `nonzero` over V is several times slower on CPU): the blocks of
+    `_LEADER_BLOCK` tokens holding a leader, then the leaders within those blocks."""
+    vocab = noise.shape[0]
+    width = _LEADER_BLOCK
+    padded = jnp.pad(noise, (0, -vocab % width), constant_values=-jnp.inf)
+    blocks = padded.reshape(-1, width)
+    above = blocks > threshold
+    count = jnp.sum(above)
+    hit = jnp.nonzero(jnp.any(above, axis=1), size=capacity, fill_value=blocks.shape[0])[0]
+    within = jnp.take(above, hit, axis=0, mode="fill", fill_value=False).reshape(-1)
+    slot = jnp.nonzero(within, size=capacity, fill_value=within.shape[0])[0]
+    tokens = jnp.take(hit, slot // width, mode="fill", fill_value=vocab) * width + slot % width
+    tokens = jnp.where(slot < within.shape[0], tokens, vocab)
+    rest = jnp.max(jnp.where(above, -jnp.inf, blocks))
+    return tokens, rest, count > capacity
+
+
+def _leader_certified_votes(key, plan: _LeaderPlan, threshold, capacity):
+    """Each teacher's best token among T_i and the noise leaders L, its score, and whether it
+    provably wins: a token outside T_i ∪ L scores at most b_i + (the largest noise outside L)."""
+    vocab = plan.tokens_major.shape[0]
     noise = _shared_noise(key, vocab)
-    scores = plan.cand_values + noise[jnp.minimum(plan.cand_tokens, vocab - 1)]
-    best = jnp.max(scores, axis=-1)
-    winner = jnp.min(jnp.where(scores == best[:, None], plan.cand_tokens, vocab), axis=-1)
-    bound = jnp.max(plan.block_x + _block_max(noise, _BLOCK_TOKENS)[:, None], axis=0)
-    return winner, best, ~(best > bound)
+    leaders, rest, overflow = _noise_leaders(noise, threshold, capacity)
+    head_scores = plan.cand_values + noise[jnp.minimum(plan.cand_tokens, vocab - 1)]
+    leader_scores = (
+        jnp.take(plan.tokens_major, leaders, axis=0, mode="fill", fill_value=-jnp.inf)
+        + jnp.take(noise, leaders, mode="fill", fill_value=-jnp.inf)[:, None]
+    )
+    best = jnp.maximum(jnp.max(head_scores, axis=1), _column_max(leader_scores))
+    # Ties go to the smallest token id, as in the full scan.
+    head_winner = jnp.min(jnp.where(head_scores == best[:, None], plan.cand_tokens, vocab), axis=1)
+    leader_winner = -_column_max(jnp.where(leader_scores == best, -leaders[:, None], -vocab))
+    winner = jnp.minimum(head_winner, leader_winner)
+    return winner, best, ~(best > plan.outside + rest) | overflow
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _coordinated_blocks(key, scaled, plan, num_histograms, fallback_rows, batch_size):
+def _coordinated_leaders(key, scaled, plan, num_histograms, fallback_rows, batch_size):
+    capacity, threshold = _leader_sizes(scaled.shape[1])
     return _certify_then_rescan(
         jax.random.split(key, num_histograms),
         scaled,
         plan.column_max,
-        functools.partial(_block_certified_votes, plan=plan),
+        functools.partial(
+            _leader_certified_votes, plan=plan, threshold=threshold, capacity=capacity
+        ),
         lambda key: _shared_noise(key, scaled.shape[1]),
         fallback_rows,
         batch_size,
