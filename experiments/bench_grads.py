@@ -420,6 +420,7 @@ def _pate_logits(config: BenchConfig, regime: str) -> jax.Array:
 
 
 _read_logits = jax.jit(jnp.max)  # one pass over the (n, V) logits: the floor of a step
+_STEP_REPEATS = 15  # timed repeats of a read of the logits and of a generation step
 
 
 def bench_pate(config: BenchConfig) -> list[dict]:
@@ -453,7 +454,10 @@ def bench_pate(config: BenchConfig) -> list[dict]:
         for method, fn in methods.items():
             count = {"coordinated_full": full, "read_logits": 1}.get(method, r)
             count = 1 if method.endswith("_step") else count
-            seconds = _median_seconds(fn, 1, 1 if method == "coordinated_full" else config.rounds)
+            # A read or a step takes milliseconds: more repeats steady their ratio.
+            repeats = {"coordinated_full": 1, "read_logits": _STEP_REPEATS}.get(method)
+            repeats = _STEP_REPEATS if method.endswith("_step") else repeats or config.rounds
+            seconds = _median_seconds(fn, 1, repeats)
             rows.append({"logits": regime, "method": method, "teachers": logits.shape[0],
                          "vocab": logits.shape[1], "histograms": count,
                          "histograms_per_second": count / seconds})  # fmt: skip

@@ -363,11 +363,16 @@ def train_public_model(
     )
     trainer = Trainer(train_config, model, losses.next_token_nll(mask_key=None))
     logger = MetricLogger()
-    result = fit(trainer, packed.batch, rng=np.random.default_rng(seed), logger=logger)
-    history = [(r["step"], r["train_loss"]) for r in logger.history]
-    for step, loss in history:
-        _log(f"(b) public training step {step}: loss {loss:.3f}")
-    return result.model, history
+
+    def report(done: int, until: int) -> None:
+        latest = logger.history[-1] if logger.history else None
+        if latest is not None and latest["step"] == done:
+            _log(f"(b) public training step {done}/{until}: loss {latest['train_loss']:.3f}")
+
+    result = fit(
+        trainer, packed.batch, rng=np.random.default_rng(seed), logger=logger, on_step=report
+    )
+    return result.model, [(r["step"], r["train_loss"]) for r in logger.history]
 
 
 @dataclasses.dataclass(frozen=True)
