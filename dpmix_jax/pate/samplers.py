@@ -52,10 +52,10 @@ values, cheap next to the n·V scores) and takes its leaders L, the tokens whose
 fixed θ (about 576 of them, at most 768: `_leader_sizes`). Teacher i's best token among T_i ∪ L
 wins when it beats b_i + max_{j ∉ L} g_j, which bounds the score of every other token: a token
 outside T_i has x_ij ≤ b_i. The leaders' scores are contiguous rows of the logits transposed
-once per call (V, n). Failing teachers (about 1 in 10^5 on N(0, 2²) teachers) are rescanned on
-the same noise vector, as above, so the histograms are the full scan's for the same key, bit for
-bit. The transposed copy doubles the memory the logits take. No truncation (top-p) is offered:
-that would be a different distribution.
+once per call (V, n). Failing teachers (about 2 in 10^5 on N(0, 2²) teachers) are rescanned
+on the same noise vector, as above, so the histograms are the full scan's for the same key, bit
+for bit. The transposed copy doubles the memory the logits take. No truncation (top-p) is
+offered: that would be a different distribution.
 
 Example:
     >>> import jax, jax.numpy as jnp
