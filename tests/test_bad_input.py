@@ -340,6 +340,30 @@ def test_teacher_with_all_minus_inf_logits_is_an_error(sample):
         )
 
 
+@pytest.mark.parametrize("position", [0, 130, 2999])
+@pytest.mark.parametrize(
+    "sample",
+    [
+        lambda key, logits: samplers.coordinated_histograms(key, logits, 1),
+        lambda key, logits: samplers.coordinated_histograms(key, logits, 16, top_k=4),
+        lambda key, logits: samplers.independent_histograms(key, logits, 1),
+    ],
+    ids=["coordinated_step", "coordinated_top_k", "independent_step"],
+)
+def test_a_nan_logit_is_an_error_on_long_rows(sample, position):
+    # XLA:CPU's fast row maxima skip NaN: the check must still see it, wherever it sits.
+    logits = np.random.default_rng(1).normal(size=(5, 3000)).astype(np.float32)
+    logits[:, ::7] = -np.inf  # probability-0 tokens beside the NaN
+    logits[3, position] = np.nan
+    with pytest.raises(ValueError, match=r"teacher 3 has a NaN or \+inf logit"):
+        sample(jax.random.key(0), jnp.asarray(logits))
+    logits[3, position] = np.inf
+    with pytest.raises(ValueError, match=r"teacher 3 has a NaN or \+inf logit"):
+        sample(jax.random.key(0), jnp.asarray(logits))
+    logits[3, position] = 0.0
+    assert np.asarray(sample(jax.random.key(0), jnp.asarray(logits))).sum(axis=1).min() == 5
+
+
 def test_generation_names_the_teacher_with_all_minus_inf_logits():
     class Teachers:
         num_teachers, vocab_size = 3, 5

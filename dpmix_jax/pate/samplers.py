@@ -12,11 +12,12 @@ Both samplers take the teachers' next-token logits `(n, V)` for one decoding ste
   table), the fair baseline: `jax.random.categorical` would draw n·V noise values per histogram.
 
 `coordinated_sampler` / `independent_sampler` do the per-logits set-up once and return
-`draw(key, r)`, so a decoding step's retries share it. A decoding step (r = 1) costs about one
-pass over the logits with either sampler: passes go a few teachers at a time (`_row_votes`),
-the teachers' logits are checked within the same pass, and a coordinated draw of fewer than
+`draw(key, r)`, so a decoding step's retries share it. A coordinated decoding step (r = 1) is
+one pass over the logits (the maxima of 128-token chunks of logits + noise, `_row_votes`), in
+which the teachers' logits are checked too; a coordinated draw of fewer than
 `_LAZY_MIN_HISTOGRAMS` histograms is the full scan even with `top_k` (the lazy set-up would cost
-more than it saves).
+more than it saves). An independent step is two passes: the row maxima, then the block masses,
+an exponential of every logit.
 
 Lazy coordinated sampler (`top_k=K`). Same law as the full scan, but the shared noise is drawn
 only where it can matter. Once per call: each teacher's K best tokens T_i and b_i = the largest
@@ -96,15 +97,13 @@ _LEADER_MIN_VOCAB = 64  # below this a large head means the full scan
 # Fewer histograms than this are drawn by the full scan even with `top_k`: the lazy set-up (top-K,
 # plan) costs about as much as this many full-scan histograms (each one pass over the logits).
 _LAZY_MIN_HISTOGRAMS = 16
-_ROW_PASS_MIN_VOCAB = 2048  # from this V on, passes over the logits go a few teachers at a time
-_ROW_CHUNK = 128  # tokens per chunk of a row pass
-_ROW_BATCH = 16  # rows per step of a row pass (fewer pay the loop's overhead per row)
+_ROW_CHUNK = 128  # tokens per chunk of a pass over the logits (`_row_votes`)
 
 
 def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) -> tuple[int, float]:
     """Validates the public arguments; returns (num_histograms, temperature) as Python numbers
-    (NumPy scalars are accepted). The teachers' logits themselves are checked by the first pass
-    over them (`_check_teachers`), not by an extra one."""
+    (NumPy scalars are accepted). The teachers' logits themselves are checked on the row maxima
+    that the first pass over them computes, and their sum (`_check_teachers`)."""
     if getattr(logits, "ndim", None) != 2 or logits.shape[0] < 1 or logits.shape[1] < 1:
         shape = getattr(logits, "shape", None)
         raise ValueError(f"logits must have shape (n_teachers, vocab_size), got {shape}.")
@@ -114,15 +113,20 @@ def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) ->
     )
 
 
-def _check_teachers(row_max: jax.Array) -> None:
+def _check_teachers(row_max: jax.Array, logits: jax.Array) -> None:
     """Raises for a teacher without a finite logit or with a NaN or +inf one, given per teacher
-    the maximum of its (scaled) logits plus finite noise, which a pass over the logits computes
-    anyway: -inf exactly when every logit is -inf, NaN or +inf exactly when one is NaN or +inf
-    (maxima propagate NaN)."""
+    the maximum of its scaled logits (plus finite noise), which a pass over the logits computes
+    anyway: -inf exactly when every logit is -inf, +inf when one is +inf. XLA:CPU's fast maxima
+    skip NaN, so NaN is found from the sum of all the logits (a fast pass: NaN when a logit is
+    NaN, or when +inf meets -inf or finite logits overflow), and only then looked up per teacher.
+    """
     row_max = np.asarray(row_max)
+    has_nan = np.zeros(row_max.shape, bool)
+    if np.isnan(_sum(logits)):
+        has_nan = np.isnan(np.asarray(logits)).any(axis=1)
     for bad, what in (
-        (row_max == -np.inf, "no finite logit (every token -inf)"),
-        (np.isnan(row_max) | (row_max == np.inf), "a NaN or +inf logit"),
+        (~has_nan & (row_max == -np.inf), "no finite logit (every token -inf)"),
+        (has_nan | np.isnan(row_max) | (row_max == np.inf), "a NaN or +inf logit"),
     ):
         if bad.any():
             teachers = np.flatnonzero(bad)
@@ -131,6 +135,9 @@ def _check_teachers(row_max: jax.Array) -> None:
                 f"teacher {teachers[0]} has {what}{more}; each teacher's logits need a finite "
                 "entry and may use only -inf for probability 0."
             )
+
+
+_sum = jax.jit(jnp.sum)
 
 
 def _check_batch(batch_size: int | None) -> int | None:
@@ -149,38 +156,29 @@ def _shared_noise(key, vocab):
 def _row_votes(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per row of `scaled` (n, V): the first argmax of row + noise and its maximum.
 
-    XLA:CPU vectorises none of the obvious forms over the whole (n, V) array (a row-wise
-    reduction, or a comparison against the row maxima, runs at 8-14 reads of the logits). Here
-    rows go `_ROW_BATCH` at a time through `lax.map`; each row's maximum comes from the maxima
-    of its 128-token chunks, and only the first chunk holding it (and the tail of V mod 128
-    tokens) is searched for the first maximal token. The sums row + noise are never stored.
+    The maxima of the rows' 128-token chunks come from one reduce-window over row + noise, which
+    XLA:CPU runs at about the speed of one read of the logits (a row-wise reduction or argmax over
+    (n, V) runs at 2-15 reads); the first chunk holding a row's maximum is then searched for its
+    first maximal token (one gather of 128 entries per row). The sums row + noise are never
+    stored.
     """
-    vocab = scaled.shape[1]
-    if vocab < _ROW_PASS_MIN_VOCAB:  # short rows: loop overhead would dominate
-        scores = scaled + noise
-        return _first_argmax(scores), jnp.max(scores, axis=-1)
-    whole = vocab - vocab % _ROW_CHUNK  # tokens in whole chunks; the rest is the tail
-
-    def one(row):
-        chunk_best = jnp.max((row[:whole] + noise[:whole]).reshape(-1, _ROW_CHUNK), axis=1)
-        best = jnp.max(chunk_best)
-        tail = row[whole:] + noise[whole:]
-        if tail.size:
-            best = jnp.maximum(best, jnp.max(tail))
-        chunk = jnp.argmax(chunk_best == best)  # the first chunk holding the maximum, if any
-        start = (chunk * _ROW_CHUNK,)
-        in_chunk = jax.lax.dynamic_slice(row, start, (_ROW_CHUNK,)) + jax.lax.dynamic_slice(
-            noise, start, (_ROW_CHUNK,)
-        )
-        vote = chunk * _ROW_CHUNK + jnp.argmax(in_chunk == best)
-        if tail.size:
-            vote = jnp.where(chunk_best[chunk] == best, vote, whole + jnp.argmax(tail == best))
-        return vote.astype(jnp.int32), best
-
-    return jax.lax.map(one, scaled, batch_size=_ROW_BATCH)
+    chunk_best = _block_reduce(scaled + noise, _ROW_CHUNK)
+    best = jnp.max(chunk_best, axis=-1)
+    columns = _first_argmax(chunk_best)[..., None] * _ROW_CHUNK + jnp.arange(_ROW_CHUNK)
+    in_chunk = jnp.take_along_axis(
+        scaled, columns, axis=-1, mode="fill", fill_value=-jnp.inf
+    ) + jnp.take(noise, columns, mode="fill", fill_value=-jnp.inf)
+    votes = jnp.take_along_axis(columns, _first_argmax(in_chunk)[..., None], axis=-1)[..., 0]
+    return votes.astype(jnp.int32), best
 
 
-_row_max = jax.jit(functools.partial(jnp.max, axis=1))  # a plain row maximum: one fast pass
+_chunk_max = jax.jit(lambda x: _block_reduce(x, _ROW_CHUNK))
+
+
+def _row_max(x: jax.Array) -> jax.Array:
+    """`jnp.max(x, axis=1)` from the maxima of 128-token chunks (one fast pass, `_row_votes`).
+    Two calls on purpose: in one, XLA rewrites the pair back into the slow row reduction."""
+    return jnp.max(_chunk_max(x), axis=1)
 
 
 def _first_argmax(scores: jax.Array) -> jax.Array:
@@ -276,7 +274,7 @@ def coordinated_sampler(
         if prepared:
             return prepared[0]
         scaled = _scale(logits, temperature)
-        _check_teachers(_row_max(scaled))
+        _check_teachers(_row_max(scaled), logits)
         values, indices = _top_k(scaled, top_k)
         head_tokens, in_head = _head(values, indices, vocab)
         width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
@@ -338,7 +336,7 @@ def _coordinated_full(key, logits, num_histograms, temperature, batch_size):
     histograms, row_max = _coordinated_full_pass(
         key, logits, num_histograms, temperature, batch_size
     )
-    _check_teachers(row_max)
+    _check_teachers(row_max, logits)
     return histograms
 
 
@@ -371,7 +369,7 @@ def _top_k(scaled, top_k):
     n, vocab = scaled.shape
     width = min(_CHUNK, vocab)
     num_chunks = -(-vocab // width)
-    chunk_max = _block_max(scaled, width)
+    chunk_max = _block_reduce(scaled, width)
     _, chunks = jax.lax.top_k(chunk_max, min(top_k + 1, num_chunks))
     # The last chunk is read from vocab - width on; entries of the previous chunk are masked.
     tokens = jnp.minimum(chunks * width, vocab - width)[:, :, None] + jnp.arange(width)
@@ -534,12 +532,13 @@ def _coordinated_lazy(key, scaled, plan, num_histograms, fallback_rows, batch_si
     )
 
 
-def _block_max(x, width):
-    """(..., V) -> (..., ceil(V / width)): maxima over consecutive blocks of `width` tokens."""
+def _block_reduce(x, width, *, reduce=jax.lax.max, init=-jnp.inf):
+    """(..., V) -> (..., ceil(V / width)): maxima (or `reduce` with identity `init`) over
+    consecutive blocks of `width` tokens, a reduce-window (fast on XLA:CPU, `_row_votes`)."""
     vocab = x.shape[-1]
     window = (1,) * (x.ndim - 1) + (width,)
     padding = [(0, 0)] * (x.ndim - 1) + [(0, -vocab % width)]
-    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, padding)
+    return jax.lax.reduce_window(x, init, reduce, window, window, padding)
 
 
 class _LeaderPlan(NamedTuple):
@@ -726,7 +725,7 @@ def independent_sampler(
     _, temperature = _check_inputs(logits, 1, temperature)
     batch_size = _check_batch(batch_size)
     top, block_cdf = _block_tables(logits, temperature)
-    _check_teachers(top)
+    _check_teachers(top, logits)
     vocab = logits.shape[1]
     local: list[jax.Array] = []
 
@@ -796,12 +795,11 @@ def _token_cdf(x_blocks, top):
     return _block_cumsum(_fixed_point(jnp.exp(x_blocks - top[..., None, None])))
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def _block_tables(logits, temperature):
     """Per teacher, max_j x_ij (x = logits / t; it also checks the teacher, `_check_teachers`)
     and the block table: the inclusive cumulative sums (n, NB) int32 of the block masses
-    Σ_{j ∈ b} exp(x_ij - max_j x_ij), in units of 2^-30 of their total. One pass over the logits,
-    `_ROW_BATCH` teachers at a time (`_row_votes` says why).
+    Σ_{j ∈ b} exp(x_ij - max_j x_ij), in units of 2^-30 of their total. Two passes over the
+    logits, each a reduce-window (`_row_votes` says why): the row maxima, then the block masses.
 
     A vote draws a block with probability W_b / 2^30, then a token within it with probability
     w_j / 2^30 (`_token_cdf`), so P(j) = m_b/M · p_j/m_b · (1 + float32 rounding) = p_j / M up
@@ -809,18 +807,18 @@ def _block_tables(logits, temperature):
     Integer sums are exact, unlike a float32 cumulative sum over V (whose interval widths are
     quantised to ulp(cdf), a total variation of ~1e-3 on flat teachers at V = 50,257).
     """
-    _, blocks, padded = _padded_sizes(logits.shape[1])
+    scaled = _scale(logits, temperature)  # its own pass: a division stops XLA's fast reduction
+    top = _row_max(scaled)
+    return top, _block_cdf(scaled, top)
 
-    def one(row):
-        x = _blocks_of(row, temperature)
-        top = jnp.max(x)
-        return top, jnp.sum(jnp.exp(x - top), axis=-1)
 
-    top, sums = jax.lax.map(one, logits, batch_size=_ROW_BATCH)
-    block_cdf = jnp.cumsum(_fixed_point(sums), axis=-1)
+@jax.jit
+def _block_cdf(scaled, top):
+    block, blocks, padded = _padded_sizes(scaled.shape[1])
+    masses = _block_reduce(jnp.exp(scaled - top[:, None]), block, reduce=jax.lax.add, init=0.0)
+    block_cdf = jnp.cumsum(_fixed_point(masses), axis=-1)
     # Padding blocks end at 2^30 > every u: never drawn.
-    block_cdf = jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
-    return top, block_cdf
+    return jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
 
 
 @functools.partial(jax.jit, static_argnums=2)
