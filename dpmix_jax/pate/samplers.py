@@ -113,16 +113,21 @@ def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) ->
     )
 
 
-def _check_teachers(row_max: jax.Array, logits: jax.Array) -> None:
-    """Raises for a teacher without a finite logit or with a NaN or +inf one, given per teacher
-    the maximum of its scaled logits (plus finite noise), which a pass over the logits computes
-    anyway: -inf exactly when every logit is -inf, +inf when one is +inf. XLA:CPU's fast maxima
-    skip NaN, so NaN is found from the sum of all the logits (a fast pass: NaN when a logit is
-    NaN, or when +inf meets -inf or finite logits overflow), and only then looked up per teacher.
+def _check_teachers(row_max: jax.Array, may_have_nan: jax.Array, logits: jax.Array) -> None:
+    """Raises for a teacher without a finite logit or with a NaN or +inf one.
+
+    Args:
+        row_max: per teacher, the maximum of its scaled logits (plus finite noise), which a
+            pass over the logits computes anyway: -inf exactly when every logit is -inf, +inf
+            when one is +inf.
+        may_have_nan: True whenever a logit is NaN, which XLA:CPU's fast maxima skip: whether
+            a sum over all the (scaled) logits, or over numbers that propagate their NaN, is
+            NaN (`_nan_in`). Only then are the logits looked up per teacher.
+        logits: the teachers' logits.
     """
     row_max = np.asarray(row_max)
     has_nan = np.zeros(row_max.shape, bool)
-    if np.isnan(_sum(logits)):
+    if may_have_nan:
         has_nan = np.isnan(np.asarray(logits)).any(axis=1)
     for bad, what in (
         (~has_nan & (row_max == -np.inf), "no finite logit (every token -inf)"),
@@ -137,7 +142,10 @@ def _check_teachers(row_max: jax.Array, logits: jax.Array) -> None:
             )
 
 
-_sum = jax.jit(jnp.sum)
+@jax.jit
+def _nan_in(x: jax.Array) -> jax.Array:
+    """True when x holds a NaN (also when +inf meets -inf, or finite entries overflow)."""
+    return jnp.isnan(jnp.sum(x))
 
 
 def _check_batch(batch_size: int | None) -> int | None:
@@ -274,7 +282,7 @@ def coordinated_sampler(
         if prepared:
             return prepared[0]
         scaled = _scale(logits, temperature)
-        _check_teachers(_row_max(scaled), logits)
+        _check_teachers(_row_max(scaled), _nan_in(scaled), logits)
         values, indices = _top_k(scaled, top_k)
         head_tokens, in_head = _head(values, indices, vocab)
         width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
@@ -333,10 +341,10 @@ def _divide(logits, temperature):
 def _coordinated_full(key, logits, num_histograms, temperature, batch_size):
     """The full scan: every teacher's vote is the first argmax of x_i + g; the teachers are
     checked on the first histogram's row maxima (no extra pass)."""
-    histograms, row_max = _coordinated_full_pass(
+    histograms, row_max, may_have_nan = _coordinated_full_pass(
         key, logits, num_histograms, temperature, batch_size
     )
-    _check_teachers(row_max, logits)
+    _check_teachers(row_max, may_have_nan, logits)
     return histograms
 
 
@@ -352,7 +360,7 @@ def _coordinated_full_pass(key, logits, num_histograms, temperature, batch_size)
     histograms, best = jax.lax.map(
         one, jax.random.split(key, num_histograms), batch_size=batch_size
     )
-    return histograms, best[0]
+    return histograms, best[0], _nan_in(scaled)
 
 
 _CHUNK = 128  # tokens per chunk in the two-stage top-K
@@ -725,7 +733,6 @@ def independent_sampler(
     _, temperature = _check_inputs(logits, 1, temperature)
     batch_size = _check_batch(batch_size)
     top, block_cdf = _block_tables(logits, temperature)
-    _check_teachers(top, logits)
     vocab = logits.shape[1]
     local: list[jax.Array] = []
 
@@ -796,7 +803,7 @@ def _token_cdf(x_blocks, top):
 
 
 def _block_tables(logits, temperature):
-    """Per teacher, max_j x_ij (x = logits / t; it also checks the teacher, `_check_teachers`)
+    """Checks the teachers (`_check_teachers`); returns per teacher max_j x_ij (x = logits / t)
     and the block table: the inclusive cumulative sums (n, NB) int32 of the block masses
     Σ_{j ∈ b} exp(x_ij - max_j x_ij), in units of 2^-30 of their total. Two passes over the
     logits, each a reduce-window (`_row_votes` says why): the row maxima, then the block masses.
@@ -809,7 +816,10 @@ def _block_tables(logits, temperature):
     """
     scaled = _scale(logits, temperature)  # its own pass: a division stops XLA's fast reduction
     top = _row_max(scaled)
-    return top, _block_cdf(scaled, top)
+    block_cdf, may_have_nan = _block_cdf(scaled, top)
+    # A NaN logit makes its block's mass NaN (so do +inf and a teacher without a finite logit).
+    _check_teachers(top, may_have_nan, logits)
+    return top, block_cdf
 
 
 @jax.jit
@@ -818,7 +828,8 @@ def _block_cdf(scaled, top):
     masses = _block_reduce(jnp.exp(scaled - top[:, None]), block, reduce=jax.lax.add, init=0.0)
     block_cdf = jnp.cumsum(_fixed_point(masses), axis=-1)
     # Padding blocks end at 2^30 > every u: never drawn.
-    return jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
+    block_cdf = jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
+    return block_cdf, _nan_in(masses)
 
 
 @functools.partial(jax.jit, static_argnums=2)
