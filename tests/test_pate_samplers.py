@@ -114,8 +114,8 @@ def independent_law(logits, temperature=1.0):
     """The exact per-teacher law of the independent sampler, read off its fixed-point tables."""
     n, vocab = logits.shape
     block, blocks, _ = samplers._padded_sizes(vocab)
-    top, block_cdf = samplers._block_tables(logits, temperature)
-    local_cdf = samplers._local_tables(logits, top, temperature)
+    block_cdf = samplers._block_tables(logits, temperature)
+    local_cdf = samplers._local_tables(logits, temperature)
     block_cdf, local_cdf = (np.asarray(t, np.float64) for t in (block_cdf, local_cdf))
     widths = np.diff(block_cdf[:, :blocks], axis=1, prepend=0.0) / 2**30
     local = np.diff(local_cdf.reshape(n, blocks, block), axis=2, prepend=0.0) / 2**30
@@ -142,6 +142,21 @@ def test_independent_law_is_exact_to_float32_resolution_on_flat_large_vocabulari
     cdf = np.asarray(jnp.cumsum(jax.nn.softmax(logits / temperature, axis=-1), axis=-1))
     widths = np.diff(cdf.astype(np.float64), axis=1, prepend=0.0) / cdf[:, -1:]
     assert np.max(0.5 * np.abs(widths - exact).sum(axis=1)) > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("offset", "unshifted"),
+    [(0.0, True), (-30.0, True), (-60.0, False), (-100.0, False), (100.0, False)],
+)
+def test_independent_law_is_exact_with_and_without_the_shift_by_the_row_maximum(offset, unshifted):
+    # Teachers whose block masses show a largest logit in [-40, 80] take exp(x) unshifted;
+    # others fall back to exp(x - max x). Both must give the softmax, also for tokens far
+    # below float32's normal range of exp (here down to 60 nats under the largest logit).
+    logits = jax.random.uniform(jax.random.key(7), (3, 5000), minval=-60.0, maxval=0.0)
+    logits = logits.at[:, 17].set(0.0) + offset
+    assert bool(samplers._unshifted_block_cdf(logits)[1]) is unshifted
+    law = independent_law(logits)
+    assert np.max(0.5 * np.abs(law - float64_softmax(logits)).sum(axis=1)) < 1e-6
 
 
 def test_independent_votes_follow_the_tables_across_blocks_and_zero_tokens():

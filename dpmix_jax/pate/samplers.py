@@ -732,7 +732,7 @@ def independent_sampler(
     """
     _, temperature = _check_inputs(logits, 1, temperature)
     batch_size = _check_batch(batch_size)
-    top, block_cdf = _block_tables(logits, temperature)
+    block_cdf = _block_tables(logits, temperature)
     vocab = logits.shape[1]
     local: list[jax.Array] = []
 
@@ -740,10 +740,10 @@ def independent_sampler(
         num_histograms = privacy.check_steps(num_histograms, "num_histograms")
         if num_histograms < _TABLE_MIN_HISTOGRAMS:  # each vote's block table, built on the fly
             return _independent_lazy(
-                key, logits, top, block_cdf, temperature, num_histograms, batch_size
+                key, logits, block_cdf, temperature, num_histograms, batch_size
             )
         if not local:
-            local.append(_local_tables(logits, top, temperature))
+            local.append(_local_tables(logits, temperature))
         return _independent(key, (block_cdf, local[0]), vocab, num_histograms, batch_size)
 
     return draw
@@ -796,17 +796,31 @@ def _blocks_of(row, temperature):
     )
 
 
-def _token_cdf(x_blocks, top):
-    """Inclusive fixed-point cumulative weights of tokens within their blocks: exp(x - max_j x)
-    per block in units of 2^-30 of the block total (`_fixed_point`, exact integer sums)."""
-    return _block_cumsum(_fixed_point(jnp.exp(x_blocks - top[..., None, None])))
+def _token_cdf(x_blocks):
+    """Inclusive fixed-point cumulative weights of tokens within their blocks: exp(x - the
+    block's max) in units of 2^-30 of the block total (`_fixed_point`, exact integer sums). A
+    block without a finite logit gets weights 0 (and a table it is never drawn to use)."""
+    peak = jnp.max(x_blocks, axis=-1, keepdims=True)
+    peak = jnp.where(peak > -jnp.inf, peak, 0.0)
+    return _block_cumsum(_fixed_point(jnp.exp(x_blocks - peak)))
+
+
+# exp(x) of scaled logits x is exact to float32 resolution without a shift when every teacher's
+# largest x lies in [-40, 80]: no exponential or block sum overflows, and a token below float32's
+# normal range (x < -87.3) has at most e^-47 of its teacher's largest probability.
+_UNSHIFTED_RANGE = (-40.0, 80.0)
 
 
 def _block_tables(logits, temperature):
-    """Checks the teachers (`_check_teachers`); returns per teacher max_j x_ij (x = logits / t)
-    and the block table: the inclusive cumulative sums (n, NB) int32 of the block masses
-    Σ_{j ∈ b} exp(x_ij - max_j x_ij), in units of 2^-30 of their total. Two passes over the
-    logits, each a reduce-window (`_row_votes` says why): the row maxima, then the block masses.
+    """Checks the teachers (`_check_teachers`); returns the block table: per teacher the
+    inclusive cumulative sums (n, NB) int32 of the block masses m_b = Σ_{j ∈ b} exp(x_ij)
+    (x = logits / t), in units of 2^-30 of their total.
+
+    One pass over the logits (a reduce-window, `_row_votes` says why) when the masses show
+    every teacher's largest x in `_UNSHIFTED_RANGE` (max x <= log max_b m_b <= max x + log B:
+    max_b m_b in [B·e^-40, e^80] proves it, which a NaN, +inf or all -inf teacher fails);
+    otherwise two: the row maxima, then the masses of exp(x - max x), which also check the
+    teachers.
 
     A vote draws a block with probability W_b / 2^30, then a token within it with probability
     w_j / 2^30 (`_token_cdf`), so P(j) = m_b/M · p_j/m_b · (1 + float32 rounding) = p_j / M up
@@ -815,32 +829,47 @@ def _block_tables(logits, temperature):
     quantised to ulp(cdf), a total variation of ~1e-3 on flat teachers at V = 50,257).
     """
     scaled = _scale(logits, temperature)  # its own pass: a division stops XLA's fast reduction
-    top = _row_max(scaled)
-    block_cdf, may_have_nan = _block_cdf(scaled, top)
-    # A NaN logit makes its block's mass NaN (so do +inf and a teacher without a finite logit).
-    _check_teachers(top, may_have_nan, logits)
-    return top, block_cdf
+    block_cdf, in_range = _unshifted_block_cdf(scaled)
+    if not in_range:
+        top = _row_max(scaled)
+        block_cdf, may_have_nan = _shifted_block_cdf(scaled, top)
+        # A NaN logit makes its block's mass NaN (so do +inf and a teacher without a finite one).
+        _check_teachers(top, may_have_nan, logits)
+    return block_cdf
+
+
+def _block_masses(x):
+    return _block_reduce(jnp.exp(x), _padded_sizes(x.shape[1])[0], reduce=jax.lax.add, init=0.0)
+
+
+def _cumulative_table(masses, vocab):
+    """(n, NB) block masses -> the inclusive fixed-point block table, padded to a power of two
+    with blocks ending at 2^30 > every u (never drawn)."""
+    _, blocks, padded = _padded_sizes(vocab)
+    block_cdf = jnp.cumsum(_fixed_point(masses), axis=-1)
+    return jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
 
 
 @jax.jit
-def _block_cdf(scaled, top):
-    block, blocks, padded = _padded_sizes(scaled.shape[1])
-    masses = _block_reduce(jnp.exp(scaled - top[:, None]), block, reduce=jax.lax.add, init=0.0)
-    block_cdf = jnp.cumsum(_fixed_point(masses), axis=-1)
-    # Padding blocks end at 2^30 > every u: never drawn.
-    block_cdf = jnp.pad(block_cdf, ((0, 0), (0, padded - blocks)), constant_values=_FIXED_ONE)
-    return block_cdf, _nan_in(masses)
+def _unshifted_block_cdf(scaled):
+    masses = _block_masses(scaled)
+    low, high = _UNSHIFTED_RANGE
+    largest = jnp.max(masses, axis=1)  # (XLA:CPU's maximum skips NaN: `_nan_in` sees it)
+    block = _padded_sizes(scaled.shape[1])[0]
+    in_range = jnp.all((largest <= np.exp(high)) & (largest >= block * np.exp(low)))
+    return _cumulative_table(masses, scaled.shape[1]), in_range & ~_nan_in(masses)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _local_tables(logits, top, temperature):
+@jax.jit
+def _shifted_block_cdf(scaled, top):
+    masses = _block_masses(scaled - top[:, None])
+    return _cumulative_table(masses, scaled.shape[1]), _nan_in(masses)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _local_tables(logits, temperature):
     """Every block's token table (`_token_cdf`), (n, blocks·B) int32, one teacher at a time."""
-
-    def one(args):
-        row, row_top = args
-        return _token_cdf(_blocks_of(row, temperature), row_top).reshape(-1)
-
-    return jax.lax.map(one, (logits, top))
+    return jax.lax.map(lambda row: _token_cdf(_blocks_of(row, temperature)).reshape(-1), logits)
 
 
 def _count_at_most(cdf, start, u, width):
@@ -875,8 +904,8 @@ def _independent(key, tables, vocab, num_histograms, batch_size):
     return jax.lax.map(one, jax.random.split(key, num_histograms), batch_size=batch_size)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _independent_lazy(key, logits, top, block_cdf, temperature, num_histograms, batch_size):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _independent_lazy(key, logits, block_cdf, temperature, num_histograms, batch_size):
     """`_independent` with each vote's block table built from its block's B logits (the same
     table `_local_tables` holds), for a few histograms."""
     n, vocab = logits.shape
@@ -888,7 +917,7 @@ def _independent_lazy(key, logits, top, block_cdf, temperature, num_histograms, 
         chosen = _count_at_most(block_cdf, jnp.zeros(n, jnp.int32), u[0], padded)
         columns = chosen[:, None] * block + offsets
         x = jnp.take_along_axis(logits, columns, axis=1, mode="fill", fill_value=-jnp.inf)
-        cdf = _token_cdf(x.astype(jnp.float32)[:, None] / temperature, top)[:, 0]
+        cdf = _token_cdf(x.astype(jnp.float32)[:, None] / temperature)[:, 0]
         votes = chosen * block + jnp.sum(cdf <= u[1][:, None], axis=1, dtype=jnp.int32)
         return _bincount(votes, vocab)
 
