@@ -420,14 +420,28 @@ def _pate_logits(config: BenchConfig, regime: str) -> jax.Array:
 
 
 _read_logits = jax.jit(jnp.max)  # one pass over the (n, V) logits: the floor of a step
-_STEP_REPEATS = 15  # timed repeats of a read of the logits and of a generation step
+_STEP_REPEATS = 15  # timed rounds of a read of the logits and of each generation step
+
+
+def _interleaved_median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict:
+    """Median seconds of each function over `repeats` rounds that call every one of them in
+    turn (after one warm-up round), so that their ratios see the same machine load."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(repeats + 1):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def bench_pate(config: BenchConfig) -> list[dict]:
     """Histograms per second of the Hot PATE samplers, for random and peaked logits.
 
     Also one generation step's cost: a single histogram (r = 1, set-up included) of each
-    sampler, next to one read of the logits (`jnp.max` over them), the floor of any sampler.
+    sampler, next to one read of the logits (`jnp.max` over them), the floor of any sampler,
+    timed in alternation.
     """
     r = config.pate_histograms
     rows = []
@@ -435,32 +449,31 @@ def bench_pate(config: BenchConfig) -> list[dict]:
         logits = _pate_logits(config, regime)
         sample = functools.partial(samplers.coordinated_histograms, jax.random.key(1), logits)
         full = config.pate_full_histograms
-        methods = {
+        draws = {
             "independent": functools.partial(
                 samplers.independent_histograms, jax.random.key(1), logits, r
             ),
             "coordinated_full": functools.partial(sample, full),
         }
+        steps = {
+            "read_logits": functools.partial(_read_logits, logits),
+            "independent_step": functools.partial(
+                samplers.independent_histograms, jax.random.key(1), logits, 1
+            ),
+        }
         if config.pate_top_k is not None:
-            methods["coordinated_top_k"] = functools.partial(sample, r, top_k=config.pate_top_k)
-        methods["read_logits"] = functools.partial(_read_logits, logits)
-        methods["independent_step"] = functools.partial(
-            samplers.independent_histograms, jax.random.key(1), logits, 1
-        )
-        if config.pate_top_k is not None:
-            methods["coordinated_top_k_step"] = functools.partial(
-                sample, 1, top_k=config.pate_top_k
-            )
-        for method, fn in methods.items():
-            count = {"coordinated_full": full, "read_logits": 1}.get(method, r)
-            count = 1 if method.endswith("_step") else count
-            # A read or a step takes milliseconds: more repeats steady their ratio.
-            repeats = {"coordinated_full": 1, "read_logits": _STEP_REPEATS}.get(method)
-            repeats = _STEP_REPEATS if method.endswith("_step") else repeats or config.rounds
-            seconds = _median_seconds(fn, 1, repeats)
+            draws["coordinated_top_k"] = functools.partial(sample, r, top_k=config.pate_top_k)
+            steps["coordinated_top_k_step"] = functools.partial(sample, 1, top_k=config.pate_top_k)
+        seconds = {
+            method: _median_seconds(fn, 1, 1 if method == "coordinated_full" else config.rounds)
+            for method, fn in draws.items()
+        }
+        seconds.update(_interleaved_median_seconds(steps, _STEP_REPEATS))
+        for method, time_s in seconds.items():
+            count = {"coordinated_full": full}.get(method, 1 if method in steps else r)
             rows.append({"logits": regime, "method": method, "teachers": logits.shape[0],
                          "vocab": logits.shape[1], "histograms": count,
-                         "histograms_per_second": count / seconds})  # fmt: skip
+                         "histograms_per_second": count / time_s})  # fmt: skip
     return rows
 
 
