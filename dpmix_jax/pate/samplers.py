@@ -13,11 +13,11 @@ Both samplers take the teachers' next-token logits `(n, V)` for one decoding ste
 
 `coordinated_sampler` / `independent_sampler` do the per-logits set-up once and return
 `draw(key, r)`, so a decoding step's retries share it. A coordinated decoding step (r = 1) is
-one pass over the logits (the maxima of 128-token chunks of logits + noise, `_row_votes`), in
-which the teachers' logits are checked too; a coordinated draw of fewer than
-`_LAZY_MIN_HISTOGRAMS` histograms is the full scan even with `top_k` (the lazy set-up would cost
-more than it saves). An independent step is two passes: the row maxima, then the block masses,
-an exponential of every logit.
+one pass over the logits (the maxima of 128-token chunks of logits + noise, `_row_votes`) and a
+sum of them for the teachers' check; a coordinated draw of fewer than `_LAZY_MIN_HISTOGRAMS`
+histograms is the full scan even with `top_k` (the lazy set-up would cost more than it saves).
+An independent step is one pass, the block masses of exp(logits), when those masses show them
+exact (`_block_tables`).
 
 Lazy coordinated sampler (`top_k=K`). Same law as the full scan, but the shared noise is drawn
 only where it can matter. Once per call: each teacher's K best tokens T_i and b_i = the largest
@@ -340,7 +340,7 @@ def _divide(logits, temperature):
 
 def _coordinated_full(key, logits, num_histograms, temperature, batch_size):
     """The full scan: every teacher's vote is the first argmax of x_i + g; the teachers are
-    checked on the first histogram's row maxima (no extra pass)."""
+    checked on the first histogram's row maxima and the logits' sum (same call)."""
     histograms, row_max, may_have_nan = _coordinated_full_pass(
         key, logits, num_histograms, temperature, batch_size
     )
