@@ -22,7 +22,8 @@ timed loops (0 means no recompilation after warm-up).
 
 It also times the DP-MixMin mirror-descent solver against a non-private exponentiated-gradient
 step on the same batches, and the Hot PATE samplers (coordinated full scan, coordinated top-K,
-independent inverse CDF).
+independent inverse CDF), with one generation step of each sampler timed in alternation with a
+read of the logits (their ratio is the step's cost in reads).
 
 Usage: `python -m experiments.bench_grads --preset cpu --json bench.json`.
 """
