@@ -12,6 +12,7 @@ import pytest
 from scipy import optimize, stats
 
 from dpmix_jax.privacy import audit, clipping
+from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum
 from experiments import audit as runner
 from experiments.configs.audit import get_config
 
@@ -229,3 +230,23 @@ def test_presets_validate_and_bad_settings_raise():
         dataclasses.replace(cpu.dpsgd, epsilons=(0.0,))
     with pytest.raises(ValueError, match="mixture split"):
         dataclasses.replace(cpu.mixmin, sensitive_size=50)
+
+
+def test_cancelling_canary_is_clipped_to_c_by_the_ghost_path():
+    # Float32 Gram norms once let many of these canaries add their whole 3·C.
+    def taped(params, batch, tape):
+        y = tape.linear("fc", batch["x"], batch["x"] @ params["w"], kernel="w")
+        return jnp.sum(y * batch["v"], axis=(1, 2))
+
+    grad_sum = jax.jit(ghost_clipped_grad_sum(taped, clip_norm=1.0).function)
+    worst = 0.0
+    for seed in range(32):
+        x, v = audit.cancelling_canary(8, 8, clip_norm=1.0, seed=seed)
+        assert np.linalg.norm(np.outer(x[0], v[0])) == pytest.approx(1e4, rel=1e-5)
+        gradient = np.einsum("ti,tj->ij", x.astype(np.float64), v.astype(np.float64))
+        assert np.linalg.norm(gradient) == pytest.approx(3.0, rel=1e-2)
+        total, _ = grad_sum(
+            {"w": jnp.zeros((8, 8))}, {"x": x[None], "v": v[None]}, np.ones(1, bool)
+        )
+        worst = max(worst, float(np.linalg.norm(np.asarray(total["w"], np.float64))))
+    assert worst <= 1.0

@@ -197,8 +197,8 @@ def test_clipped_unit_stays_within_c_in_its_own_dtype(dtype):
         ratio = _float64_norm(clipped) / clip
         worst = max(worst, ratio)
         assert ratio <= 1.0, (trial, ratio)
-        if float(norm) > clip:  # clipped units lose at most the slack and the cast's rounding
-            assert ratio >= 1.0 - 2.0**-20 - 2 * float(jnp.finfo(dtype).eps)
+        if float(norm) > clip:  # clipped units lose the slack, the bound's margin and the cast
+            assert ratio >= 1.0 - 2.0**-20 - 1e-5 - 2 * float(jnp.finfo(dtype).eps)
     assert worst > 0.99  # the check was reached by units clipped to about C
 
 
@@ -213,7 +213,7 @@ def test_low_precision_clipped_sum_of_one_unit_stays_within_c(dtype):
         w = jnp.asarray(rng.standard_normal(64), dtype)
         batch = {"x": jnp.asarray(rng.uniform(1, 5, size=(1, 64)), dtype)}
         total, _ = grad_sum(w, batch, np.ones(1, bool))
-        assert total.dtype == dtype
+        assert total.dtype == jnp.float32  # the sum is never taken in the parameters' dtype
         assert _float64_norm(total) <= 1.0
 
 

@@ -18,7 +18,8 @@ by the f-DP recursion of Mahloujifar, Melis, Chaudhuri (2024). Attack statistics
 `tpr_at_fpr` (with an exact interval) and `bootstrap_interval` for any of them.
 
 Statistics use numpy and scipy. Canary constructions cover the λ release of DP-MixMin on `nll`
-proxy outputs and DP-SGD (a gradient "dirac" canary and an input-space outlier).
+proxy outputs and DP-SGD (a gradient "dirac" canary, an input-space outlier, and a numerical
+canary whose positions cancel, built to catch clipping that under-estimates norms in rounding).
 
 Example:
     >>> import numpy as np
@@ -709,6 +710,42 @@ def with_gradient_canary(
         return jnp.where(example["is_canary"], canary_loss, loss_fn(params, example))
 
     return loss
+
+
+def cancelling_canary(
+    d_in: int,
+    d_out: int,
+    *,
+    clip_norm: float,
+    scale: float = 1e4,
+    excess: float = 3.0,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A numerical canary for a dense layer: two positions whose gradients almost cancel.
+
+    Returns float32 inputs x `(2, d_in)` and output gradients v `(2, d_out)` (feed them to a layer
+    `y_t = x_t W` under the loss Σ_t <y_t, v_t>): each position's outer product x_t ⊗ v_t has norm
+    `scale`·C, while the example's gradient Σ_t x_t ⊗ v_t has norm about `excess`·C. A clipped
+    sum that evaluates norms by their Gram form in float32 (||G||² = Σ_ts (x_t·x_s)(v_t·v_s))
+    loses the norm in rounding and, unless it clips by a certified bound, often lets such a
+    canary add its whole `excess`·C;
+    audits of the default (ghost) path should include these next to `dirac_canary_gradient`.
+
+    Privacy: the canary is one more example; clipping and accounting treat it like any other.
+    """
+    clip_norm = check_positive(clip_norm, "clip_norm")
+    scale = check_positive(scale, "scale")
+    excess = check_positive(excess, "excess")
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(d_in)
+    x /= np.linalg.norm(x)
+    v = rng.standard_normal(d_out)
+    v *= scale * clip_norm / np.linalg.norm(v)
+    residue = rng.standard_normal(d_out)
+    residue *= excess * clip_norm / np.linalg.norm(residue)
+    inputs = np.stack([x, x]).astype(np.float32)
+    grads = np.stack([v, residue - v]).astype(np.float32)
+    return inputs, grads
 
 
 def outlier_input(inputs: np.ndarray, *, scale: float) -> np.ndarray:

@@ -6,9 +6,13 @@ C, zeroed if it is padding or not finite, and summed. Dividing by a batch size i
 the caller divides the noisy sum by a public constant (see `noise`).
 
 Sensitivity contract: adding or removing one unit changes the returned sum by at most C in L2 norm
-(`sensitivity()`); replacing one unit changes it by at most 2C. The bound holds in the dtype the
-sum is taken in: norms and clip factors are float32, and a bfloat16/float16 clipped unit is
-rounded toward zero, so the cast cannot lift its norm above C.
+(`sensitivity()`); replacing one unit changes it by at most 2C. Every unit is clipped by a
+*certified upper bound* of its gradient norm (`norm_upper_bound`: the float32 sum of squares
+taken axis by axis, so that each reduction is short, times the worst-case rounding factor of
+those reductions), so float32 rounding in the norm cannot let a unit exceed C. The sum is
+returned in float32, or float64 for float64 parameters, whatever the parameter dtype: summing
+thousands of clipped units in bfloat16 or float16 rounds the running sum so coarsely that removing
+one unit can move it by several C. Cast to the parameter dtype only after the noise is added.
 
 Example:
     >>> import jax.numpy as jnp
@@ -16,13 +20,14 @@ Example:
     >>> grad_sum = clipped_grad_sum(loss, clip_norm=1.0)
     >>> batch = {"x": jnp.ones((4, 3)), "y": jnp.zeros(4)}
     >>> total, stats = grad_sum(jnp.ones(3), batch, jnp.array([True, True, True, False]))
-    >>> float(jnp.linalg.norm(total)) <= 3.0 + 1e-5, stats["grad_norm"].shape
-    (True, (4,))
+    >>> float(jnp.linalg.norm(total)) <= 3.0 + 1e-5, stats["grad_norm"].shape, total.dtype
+    (True, (4,), dtype('float32'))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -38,15 +43,88 @@ PyTree = Any
 LossFn = Callable[[PyTree, PyTree], Any]
 
 
-# Relative slack under C for the float32 arithmetic of the norm and of the scaling (XLA's float32
-# sums of squares are accurate to about 1e-7 even over 1e7 entries; this is ten times that).
+# Relative slack under C for the float32 rounding of the clip factor and of the scaling (a few
+# units in the last place; the norm's own rounding is in `norm_upper_bound`).
 _FLOAT32_SLACK = 2.0**-20
+# The unit roundoff of float32, the widest rounding of any float32 operation (ghost's and this
+# module's bounds all assume float32 or wider arithmetic).
+UNIT_ROUNDOFF = 2.0**-24
+# Axes longer than this are split in two before a staged reduction, so no single reduction is long.
+_LONG_AXIS = 4096
+
+
+def rounding_gamma(n: int) -> float:
+    """γ_n = n·u / (1 - n·u): the relative error bound of n float32 roundings in sequence.
+
+    A sum of n terms in any order has an error of at most γ_{n-1} Σ|x_i| (Higham, "Accuracy and
+    Stability of Numerical Algorithms", §4.2); a dot product of length n at most γ_n Σ|x_i y_i|.
+    """
+    nu = n * UNIT_ROUNDOFF
+    if nu >= 0.5:
+        raise ValueError(f"a float32 reduction of length {n} has no useful rounding bound.")
+    return nu / (1.0 - nu)
+
+
+def _split_long_axes(x: jax.Array, lead: int) -> jax.Array:
+    """`x` with each axis after `lead` longer than `_LONG_AXIS` split into two (a free reshape)."""
+    shape = list(x.shape[:lead])
+    for n in x.shape[lead:]:
+        a = max((k for k in range(1, math.isqrt(n) + 1) if n % k == 0), default=1)
+        shape += [a, n // a] if n > _LONG_AXIS and a > 1 else [n]
+    return x.reshape(shape)
+
+
+def staged_sum(x: jax.Array, lead: int = 0) -> tuple[jax.Array, int]:
+    """Σ x over the axes after the first `lead`, and the depth of its chain of roundings.
+
+    The axes are reduced one at a time (an optimisation barrier between them keeps XLA from
+    merging the reductions into one long one), so that the rounding error is at most
+    γ_depth · Σ|x| with depth = Σ (n_i - 1) over the reduced axes: the sum of the axis lengths
+    rather than their product.
+    """
+    x = _split_long_axes(x, lead)
+    depth = 0
+    for axis in reversed(range(lead, x.ndim)):
+        depth += x.shape[axis] - 1
+        x = jax.lax.optimization_barrier(jnp.sum(x, axis=axis))
+    return x, depth
+
+
+def staged_square_sum(x: jax.Array, lead: int = 0) -> tuple[jax.Array, int]:
+    """Σ x² over the axes after the first `lead`, in float32 or wider, and its depth.
+
+    The terms are non-negative, so the rounding error is at most γ_depth · value (the depth
+    counts the squaring too; see `staged_sum`).
+    """
+    total, depth = staged_sum(jnp.square(x.astype(sum_dtype(x.dtype))), lead)
+    return total, depth + 1
+
+
+def norm_upper_bound(tree: PyTree) -> jax.Array:
+    """A certified upper bound of the L2 norm of all leaves of `tree` together (float32).
+
+    The float32 sum of squares of every leaf (`staged_square_sum`), summed over leaves, times
+    1 + γ of the longest chain of roundings: every term is non-negative, so the relative error is
+    at most that, for any order XLA sums in. Above the exact norm by at most that factor: about
+    1e-4 for leaves with a few thousand entries per axis.
+    """
+    parts = [staged_square_sum(leaf) for leaf in jax.tree.leaves(tree)]
+    if not parts:
+        return jnp.zeros((), jnp.float32)
+    depth = max(d for _, d in parts) + len(parts) + 4  # + the leaf sum, sqrt and products
+    total = sum(value.astype(jnp.float32) for value, _ in parts)
+    return jnp.sqrt(total) * jnp.float32(1.0 + rounding_gamma(depth))
 
 
 def global_norm(tree: PyTree) -> jax.Array:
     """The L2 norm of all leaves of `tree` together, accumulated in float32."""
     leaves = jax.tree.leaves(tree)
     return jnp.sqrt(sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in leaves))
+
+
+def sum_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype clipped sums are returned in for parameters of `dtype`: float32 or wider."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def clip_factor(norm: jax.Array, clip_norm: float, keep: jax.Array) -> jax.Array:
@@ -80,11 +158,11 @@ def scale_in_dtype(leaf: jax.Array, factor: jax.Array) -> jax.Array:
 def clip_to_norm(tree: PyTree, clip_norm: float, keep: jax.Array) -> tuple[PyTree, jax.Array]:
     """Scales `tree` to L2 norm <= `clip_norm`; returns zeros unless `keep` and the norm is finite.
 
-    The norm and the scale are float32, and each leaf is rounded toward zero into its own dtype,
-    so the bound holds for the returned bfloat16/float16 leaves too. Returns the clipped tree and
-    the norm before clipping.
+    The norm is a certified float32 upper bound (`norm_upper_bound`), the scale is float32, and
+    each leaf is rounded toward zero into its own dtype, so the bound holds for the returned
+    bfloat16/float16 leaves too. Returns the clipped tree and the norm bound it was clipped by.
     """
-    norm = global_norm(tree)
+    norm = norm_upper_bound(tree)
     keep = jnp.logical_and(keep, jnp.isfinite(norm))
     factor = clip_factor(norm, clip_norm, keep)
     # jnp.where (not a product) so that a NaN leaf cannot survive a zero scale.
@@ -98,9 +176,12 @@ def clip_to_norm(tree: PyTree, clip_norm: float, keep: jax.Array) -> tuple[PyTre
 class ClippedGradSum:
     """`(params, batch, mask) -> (Σ clipped unit gradients, per-unit stats)`.
 
-    Built by `clipped_grad_sum` or `user_clipped_grad_sum`. The per-unit stats (`loss`,
-    `grad_norm`, and `aux` when the loss has one) are *not* private: use them for debugging or pass
-    them through a DP mechanism of their own.
+    Built by `clipped_grad_sum`, `user_clipped_grad_sum` or their ghost counterparts. The sum's
+    leaves are float32 (float64 for float64 parameters) whatever the parameters' dtype, so that
+    the sensitivity holds for the sum itself; add the noise in that dtype and cast afterwards.
+    The per-unit stats (`loss`, `grad_norm`: the certified upper bound of the unit's gradient norm
+    that it was clipped by, and `aux` when the loss has one) are *not* private: use them for
+    debugging or pass them through a DP mechanism of their own.
     """
 
     function: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict[str, jax.Array]]]
@@ -131,7 +212,14 @@ def _clipped_sum(
 
     def one_unit(params, unit, unit_mask):
         (loss, aux), grad = unit_value_and_grad(params, unit, unit_mask)
-        clipped, norm = clip_to_norm(grad, clip_norm, jnp.any(unit_mask))
+        norm = norm_upper_bound(grad)
+        keep = jnp.logical_and(jnp.any(unit_mask), jnp.isfinite(norm))
+        factor = clip_factor(norm, clip_norm, keep)
+        # Scaled in float32 (or wider) and kept there: the sum must not round in the leaf dtype.
+        # jnp.where (not a product) so that a NaN leaf cannot survive a zero scale.
+        clipped = jax.tree.map(
+            lambda g: jnp.where(keep, g.astype(sum_dtype(g.dtype)) * factor, 0), grad
+        )
         return clipped, {"loss": loss, "grad_norm": norm, "aux": aux}
 
     per_unit = jax.vmap(one_unit, in_axes=(None, 0, 0), spmd_axis_name=spmd_axis_name)
@@ -159,7 +247,7 @@ def _clipped_sum(
                 part, stats = chunk_sum(params, *chunk)
                 return optax.tree.add(acc, part), stats
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, sum_dtype(p.dtype)), params)
             total, stats = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), split(mask)))
             stats = jax.tree.map(lambda s: s.reshape(num_units, *s.shape[2:]), stats)
         if stats["aux"] is None:

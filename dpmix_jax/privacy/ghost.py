@@ -21,11 +21,24 @@ too, so its norm is that of the summed gradient.
 The model's forward pass reports each layer to a `Tape`. `ghost_clipped_grad_sum` runs a forward
 pass and one backward pass to the layer *outputs* (gradients with respect to zero perturbations
 added to them; no weight gradient is formed). From the kept inputs u and output gradients v it
-computes every example's norm ||g_j||, the clip factor c_j = min(1, C / ||g_j||) (0 for padded
-rows and non-finite norms), and then the clipped sums directly, as in the book-keeping method of
+computes a certified upper bound N_j of every example's norm ||g_j||, the clip factor
+c_j = min(1, C / N_j) (0 for padded rows and non-finite bounds), and then the clipped sums
+directly, as in the book-keeping method of
 Bu et al. 2023: Σ_j c_j Σ_t u_jt ⊗ v_jt is one matmul over the batch and positions (a scatter-add
 of the rows c_j v_jt at the ids for an embedding), and a vector parameter gets Σ_j c_j Σ_t (x̂ ⊙)
 v_jt. There is no second backward pass.
+
+Rounding: the Gram form sums T² products whose total can be far smaller than its terms (positions
+whose gradients nearly cancel), so its float32 value alone can under-estimate a norm many times
+over, and the unit would escape clipping. N_j adds the worst-case float32 rounding of the Gram
+entries and of their sum (staged, so its depth is T + S rather than T·S), computed on layer inputs
+centred at their mean over positions (their common direction is what makes the bound loose) with
+the centring's own rounding added, capped by the triangle inequality ||g_j|| <= Σ_t ||u_t||
+||v_t||, plus the rounding of the unit's rows in the contraction that forms the clipped sum (see
+`_BookKeeper.norm_bounds`). For ordinary inputs N_j is within about 1e-4 of ||g_j|| on small
+layers and 1e-3 on GPT-2-sized ones (T = 384, 768 x 3072); cancelling inputs get a larger N_j and
+are clipped harder. The sums are float32 (float64 for float64 parameters) whatever the parameter
+dtype.
 
 It returns the same `ClippedGradSum` as `clipping.clipped_grad_sum`, so the two are
 interchangeable; `ghost_user_clipped_grad_sum` is the user-level counterpart of
@@ -63,7 +76,15 @@ import jax
 import jax.numpy as jnp
 
 from dpmix_jax.privacy.accounting import check_positive
-from dpmix_jax.privacy.clipping import ClippedGradSum, clip_factor
+from dpmix_jax.privacy.clipping import (
+    UNIT_ROUNDOFF,
+    ClippedGradSum,
+    clip_factor,
+    rounding_gamma,
+    staged_square_sum,
+    staged_sum,
+    sum_dtype,
+)
 
 PyTree = Any
 ParamKey = Hashable
@@ -77,6 +98,9 @@ _INPUT, _IDS, _GRAD = "input", "ids", "grad"
 # ResNet-tiny and ResNet-18 layers (2-core Xeon): one example per step pays the loop's overhead,
 # and a whole batch at once runs 1.4-3.5x slower than two at a time once its arrays leave the cache.
 _CPU_CHUNK_EXAMPLES = 2
+# Contractions whose rounding the norm bounds account for run in true float32: the bounds assume
+# float32 arithmetic, not the bfloat16 passes (TPU) or TF32 (GPU) of the default precision.
+_EXACT = jax.lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +227,7 @@ class _Conv:
         def apply(kernel):
             return jax.lax.conv_general_dilated(
                 inputs, kernel, self.strides, self.padding,
-                dimension_numbers=self.dimension_numbers,
+                dimension_numbers=self.dimension_numbers, precision=_EXACT,
             )  # fmt: skip
 
         kernel = jax.ShapeDtypeStruct(self.kernel_shape, inputs.dtype)
@@ -364,6 +388,12 @@ def _correlate(x: jax.Array, g: jax.Array, kernel_size: Sequence[int]) -> jax.Ar
     return jnp.transpose(grads, (0, *lead_axes, 1, 2, grads.ndim - 1))
 
 
+def _row_norm_bounds(x: jax.Array) -> jax.Array:
+    """(U, T) upper bounds of the L2 norms of the rows of a float32 (U, T, d) factor."""
+    squares, depth = staged_square_sum(x, lead=2)
+    return jnp.sqrt(squares) * (1.0 + rounding_gamma(depth + 2))
+
+
 def _rows(x: jax.Array) -> jax.Array:
     """(B, ..., d) -> (B, T, d); a rank-2 array is one position per example."""
     return x.reshape(x.shape[0], -1, x.shape[-1])
@@ -399,6 +429,42 @@ class _Factors:
             self._cache[(name, side)] = value if side == _IDS else value.astype(jnp.float32)
         return self._cache[(name, side)]
 
+    def row_norms(self, name: str, side: str) -> jax.Array:
+        """(U, T) upper bounds of the L2 norms of a factor's rows (1 for a one-hot id row)."""
+        if (name, side, "norm") not in self._cache:
+            x = self.get(name, side)
+            value = jnp.ones(x.shape, jnp.float32) if side == _IDS else _row_norm_bounds(x)
+            self._cache[(name, side, "norm")] = value
+        return self._cache[(name, side, "norm")]
+
+    def centred(self, name: str, use: _Outer) -> tuple[list, jax.Array]:
+        """A use's [(rows, side, row norm bounds)] for its two sides, and a (U,) slack.
+
+        The exact sum of outer products of the returned rows is within `slack` of the use's
+        gradient. An input side's rows u_t become r_t = fl(u_t - μ) and one more row μ (their
+        mean), paired with the other side's rows v_t and one more row ŝ = fl(Σ_t v_t):
+        Σ_t r_t ⊗ v_t + μ ⊗ ŝ differs from Σ_t u_t ⊗ v_t by Σ_t e_t ⊗ v_t, |e_t| <= 2u |r_t|
+        (the subtraction's rounding), and μ ⊗ (Σ_t v_t - ŝ), |Σ_t v_t - ŝ| <= γ_T Σ_t |v_t|.
+        Layer inputs share a large common direction: centred, their Gram entries, and with them
+        the rounding bound of the Gram form, shrink by about the number of positions.
+        """
+        sides = [(self.get(name, use.left), use.left), (self.get(name, use.right), use.right)]
+        if _INPUT not in (use.left, use.right):
+            zero = jnp.zeros(sides[0][0].shape[0], jnp.float32)
+            return [(x, side, self.row_norms(name, side)) for x, side in sides], zero
+        i = [side for _, side in sides].index(_INPUT)
+        (x, x_side), (v, v_side) = sides[i], sides[1 - i]
+        mean = jnp.mean(x, axis=1, keepdims=True)
+        centred = jnp.concatenate([x - mean, mean], axis=1)
+        paired = jnp.concatenate([v, jnp.sum(v, axis=1, keepdims=True)], axis=1)
+        x_norms, v_norms = _row_norm_bounds(centred), _row_norm_bounds(paired)
+        original = self.row_norms(name, v_side)
+        positions = original.shape[1]
+        slack = 2.0 * UNIT_ROUNDOFF * jnp.sum(x_norms[:, :-1] * original, axis=1)
+        slack += rounding_gamma(positions + 2) * x_norms[:, -1] * jnp.sum(original, axis=1)
+        rows = [(centred, x_side, x_norms), (paired, v_side, v_norms)]
+        return (rows if i == 0 else rows[::-1]), slack * (1.0 + rounding_gamma(positions + 4))
+
     def grad(self, name: str) -> jax.Array:
         """(U, T, d) output gradients of a layer, channels last."""
         g, conv = self._grads[name], self._layers[name].conv
@@ -428,7 +494,16 @@ def _gram(a: jax.Array, a_side: str, b: jax.Array, b_side: str) -> jax.Array:
     if b_side == _IDS:  # <a_t, onehot(ids_s)> = a_t[ids_s]
         index = jnp.broadcast_to(b[:, None, :], (*a.shape[:2], b.shape[1]))
         return jnp.take_along_axis(a, index.astype(jnp.int32), axis=2)
-    return jnp.einsum("btd,bsd->bts", a, b)
+    return jnp.einsum("btd,bsd->bts", a, b, precision=_EXACT)
+
+
+def _gram_gamma(a: jax.Array, a_side: str, b_side: str) -> float:
+    """The relative rounding bound of `_gram`'s entries: |error_ts| <= γ ||a_t|| ||b_s||.
+
+    Zero when a side is ids (an equality test or a lookup is exact), else γ_d of a float32
+    dot product of length d.
+    """
+    return 0.0 if _IDS in (a_side, b_side) else rounding_gamma(a.shape[-1])
 
 
 def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
@@ -454,9 +529,9 @@ class _Param:
 class _BookKeeper:
     """Per-example norms and clipped sums from recorded layer inputs and output gradients.
 
-    Privacy: the norms are computed from every example's own data; they are not private and
-    serve only to clip. The clipped sums have sensitivity C when the clip factors are
-    min(1, C / norm) and every parameter of the model was recorded.
+    Privacy: the norm bounds are computed from every example's own data; they are not private
+    and serve only to clip. The clipped sums have sensitivity C when the clip factors are
+    min(1, C / bound) and every parameter of the model was recorded.
     """
 
     def __init__(self, layers: dict[str, _Layer], arrays: dict, grads: dict, group: int = 1):
@@ -478,46 +553,96 @@ class _BookKeeper:
         if shared := [k for k, p in self.params.items() if p.uses and p.direct is not None]:
             raise ValueError(f"parameters [{_key_names(shared)}] are used as matrix and vector.")
 
-    def sq_norms(self) -> jax.Array:
-        """(B,) squared norms of every example's gradient over all recorded parameters."""
-        total = 0.0
+    def norm_bounds(self) -> jax.Array:
+        """(U,) certified upper bounds of every unit's gradient norm over all parameters.
+
+        Each is at least the norm of what the unit adds to `clipped_sums` per unit of weight:
+        the norm of its exact gradient from the recorded factors, bounded through the rounding
+        of the Gram form, plus the rounding of the unit's own rows in the contraction that forms
+        the clipped sum. For ordinary inputs the bound is within about 1e-4 of the norm; a unit
+        whose positions cancel gets a bound as large as the cancellation makes the rounding.
+
+        Privacy: the bound is computed from each unit's own data; it is not private and only
+        sets the clip factors.
+        """
+        squares, linear = 0.0, 0.0
         for entry in self.params.values():
             if entry.direct is not None:
-                total = total + jnp.sum(jnp.square(entry.direct), axis=1)
+                # What the unit adds is the computed vector itself: only its norm's rounding.
+                value, depth = staged_square_sum(entry.direct, lead=1)
+                squares = squares + value * (1.0 + rounding_gamma(depth))
             else:
-                total = total + self._outer_sq_norms(entry)
-        return jnp.asarray(total, jnp.float32)
+                sq, lin = self._outer_bounds(entry)
+                squares, linear = squares + sq, linear + lin
+        widen = 1.0 + rounding_gamma(len(self.params) + 4)
+        return jnp.asarray((jnp.sqrt(squares) + linear) * widen, jnp.float32)
 
-    def _outer_sq_norms(self, entry: _Param) -> jax.Array:
-        get = self._factors.get
+    def _outer_bounds(self, entry: _Param) -> tuple[jax.Array, jax.Array]:
+        """A matrix parameter's (U,) bound of its squared norm and (U,) rounding of its sum.
+
+        Gram form, on the rows of `_Factors.centred` (within its slack of the gradient): with A, B
+        the computed Gram matrices of the left and right rows, the exact squared norm
+        Σ_ts A_ts B_ts exceeds the computed one by at most
+        γ_{T+S}·Σ|ÂB̂| (the staged sum) + γ_a·Σ α_t α_s |B̂_ts| + γ_b·Σ |Â_ts| β_t β_s
+        + γ_a γ_b·(Σ α β)² (the Gram entries' rounding, α, β the row norms), times 1 + γ_{T·S}
+        for the rounding of these non-negative terms themselves (doubled for long sequences);
+        and it never exceeds M² = (Σ_t α_t β_t)², the triangle inequality. The rounding of the
+        clipped sum's contraction over the unit's rows is at most γ_rows·M per unit of weight.
+        """
+        norms = self._factors.row_norms
         if len(entry.uses) == 1:
             name, use = entry.uses[0]
             positions = self._factors.grad(name).shape[1]
             direct_ok = _IDS not in (use.left, use.right)
             size = use.left_size * use.right_size
             if direct_ok and positions * (use.left_size + use.right_size) > size:
+                # The sum adds these computed gradients themselves: only their norm's rounding.
                 entry.per_example = self._per_example(name, use)
-                axes = tuple(range(1, entry.per_example.ndim))
-                return jnp.sum(jnp.square(entry.per_example), axis=axes)
-        total = 0.0
-        pairs = itertools.combinations_with_replacement(enumerate(entry.uses), 2)
-        for (i, (n1, u1)), (j, (n2, u2)) in pairs:
-            left = _gram(get(n1, u1.left), u1.left, get(n2, u2.left), u2.left)
-            right = _gram(get(n1, u1.right), u1.right, get(n2, u2.right), u2.right)
-            total = total + (1.0 if i == j else 2.0) * jnp.sum(left * right, axis=(1, 2))
-        return total
+                value, depth = staged_square_sum(entry.per_example, lead=1)
+                return value * (1.0 + rounding_gamma(depth)), jnp.zeros_like(value)
+        uses = [self._factors.centred(name, use) for name, use in entry.uses]
+        value, error = 0.0, 0.0
+        pairs = list(itertools.combinations_with_replacement(enumerate(uses), 2))
+        for (i, (sides1, _)), (j, (sides2, _)) in pairs:
+            weight = 1.0 if i == j else 2.0
+            (l1, ls1, a1), (r1, rs1, b1) = sides1
+            (l2, ls2, a2), (r2, rs2, b2) = sides2
+            left, right = _gram(l1, ls1, l2, ls2), _gram(r1, rs1, r2, rs2)
+            products = left * right
+            pair, depth = staged_sum(products, lead=1)
+            abs_sum, _ = staged_sum(jnp.abs(products), lead=1)
+            gamma_a, gamma_b = _gram_gamma(l1, ls1, ls2), _gram_gamma(r1, rs1, rs2)
+            bound = (
+                rounding_gamma(depth + len(pairs) + 2) * abs_sum
+                + gamma_a * jnp.einsum("bt,bts,bs->b", a1, jnp.abs(right), a2, precision=_EXACT)
+                + gamma_b * jnp.einsum("bt,bts,bs->b", b1, jnp.abs(left), b2, precision=_EXACT)
+                + gamma_a * gamma_b * jnp.sum(a1 * b1, axis=1) * jnp.sum(a2 * b2, axis=1)
+            )
+            terms = left.shape[1] * left.shape[2] + 8
+            own = rounding_gamma(terms) if terms * UNIT_ROUNDOFF < 0.25 else 1.0
+            value, error = value + weight * pair, error + weight * (1.0 + own) * bound
+        slack = sum(use_slack for _, use_slack in uses)
+        centred = jnp.sqrt(jnp.maximum(value, 0.0) + error) + slack
+        rows = sum(norms(n, u.left).shape[1] for n, u in entry.uses)
+        triangle = sum(jnp.sum(norms(n, u.left) * norms(n, u.right), axis=1) for n, u in entry.uses)
+        triangle = triangle * (1.0 + rounding_gamma(rows + 2))
+        return jnp.square(jnp.minimum(centred, triangle)), rounding_gamma(rows + 2) * triangle
 
     def clipped_sums(self, weights: jax.Array, keep: jax.Array) -> dict[ParamKey, jax.Array]:
         """Σ_j weights_j g_j per parameter, with rows outside `keep` contributing exactly zero.
 
-        Call after `sq_norms` (which decides how each matrix parameter is formed).
+        Call after `norm_bounds` (which decides how each matrix parameter is formed).
         """
         sums = {}
         for key, entry in self.params.items():
             if entry.direct is not None:
-                sums[key] = jnp.einsum("bd,b->d", _masked(entry.direct, keep), weights)
+                sums[key] = jnp.einsum(
+                    "bd,b->d", _masked(entry.direct, keep), weights, precision=_EXACT
+                )
             elif entry.per_example is not None:
-                sums[key] = jnp.tensordot(weights, _masked(entry.per_example, keep), axes=1)
+                sums[key] = jnp.tensordot(
+                    weights, _masked(entry.per_example, keep), axes=1, precision=_EXACT
+                )
             else:
                 sums[key] = sum(self._outer_sum(n, u, weights, keep) for n, u in entry.uses)
         return sums
@@ -560,8 +685,8 @@ def _outer_contract(left: jax.Array, right: jax.Array, *, batched: bool) -> jax.
     """
     spec = "btn,btm->bnm" if batched else "btn,btm->nm"
     if left.shape[-1] <= right.shape[-1]:
-        return jnp.einsum(spec, left, right)
-    return jnp.swapaxes(jnp.einsum(spec, right, left), -1, -2)
+        return jnp.einsum(spec, left, right, precision=_EXACT)
+    return jnp.swapaxes(jnp.einsum(spec, right, left, precision=_EXACT), -1, -2)
 
 
 def _as_key(key: ParamKey) -> tuple:
@@ -584,7 +709,10 @@ def _path_key(path: tuple) -> tuple:
 
 
 def _fill(params: PyTree, sums: dict[tuple, jax.Array]) -> PyTree:
-    """`params`-shaped tree of the sums; every leaf must have been recorded, and nothing else."""
+    """`params`-shaped tree of the sums, float32 or wider (`sum_dtype`) whatever the leaf dtype.
+
+    Every leaf must have been recorded, and nothing else.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     keys = {_path_key(path) for path, _ in leaves}
     if unknown := set(sums) - keys:
@@ -602,7 +730,7 @@ def _fill(params: PyTree, sums: dict[tuple, jax.Array]) -> PyTree:
                 f"parameter {_path_key(path)} has shape {leaf.shape}, but its recorded layers "
                 f"give a gradient of shape {total.shape}."
             )
-        return total.reshape(leaf.shape).astype(leaf.dtype)
+        return total.reshape(leaf.shape).astype(sum_dtype(leaf.dtype))
 
     return jax.tree_util.tree_map_with_path(leaf_sum, params)
 
@@ -618,11 +746,13 @@ def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Clipped
 
     Returns:
         A `ClippedGradSum` `(params, batch, mask) -> (sum, stats)` with `stats["loss"]` and
-        `stats["grad_norm"]` (B,), a drop-in for `clipping.clipped_grad_sum`. It raises
-        `ValueError` when a leaf of `params` is not reported to the tape.
+        `stats["grad_norm"]` (B,): the certified norm bound each example was clipped by, a
+        drop-in for `clipping.clipped_grad_sum`. The sum is float32 (float64 for float64
+        parameters). It raises `ValueError` when a leaf of `params` is not reported to the tape.
 
     Privacy: the returned sum has L2 sensitivity `clip_norm` under add/remove of one example:
-    it is Σ_j c_j ∇loss_j with c_j ||∇loss_j|| <= C, provided the tape covers every parameter
+    it is Σ_j c_j ∇loss_j with c_j N_j <= C for a certified bound N_j >= ||∇loss_j|| that
+    covers float32 rounding (see the module docstring), provided the tape covers every parameter
     (checked) and the loss is per-example. Padded rows and rows with a non-finite norm get
     c_j = 0, and their factors are zeroed with `where`, so that 0 · inf cannot reach the sum.
     """
@@ -635,7 +765,7 @@ def ghost_user_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Cl
 
     The forward pass runs on the `U·G` examples at once; a user's gradient is the mean of the
     gradients of its real examples (the `(U, G)` mask), as in `clipping.user_clipped_grad_sum`,
-    and its norm is a ghost norm over the rows of all its examples.
+    and its norm bound is a certified ghost norm bound over the rows of all its examples.
 
     Args:
         loss_fn: as for `ghost_clipped_grad_sum`, called on the `(U·G, ...)` flattened batch.
@@ -682,7 +812,7 @@ def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False)
         losses, pullback, arrays = jax.vjp(taped, zeros, has_aux=True)
         (grads,) = pullback(example_weights.astype(losses.dtype))
         keeper = _BookKeeper(probe.layers, arrays, grads, group)
-        norms = jnp.sqrt(keeper.sq_norms())
+        norms = keeper.norm_bounds()
         keep = unit_mask & jnp.isfinite(norms)
         weights = clip_factor(norms, clip_norm, keep)  # the sums are float32
         total = _fill(params, keeper.clipped_sums(weights, keep))
