@@ -57,6 +57,23 @@ def test_dp_sgd_step_is_noisy_sum_over_expected_batch_then_optimizer():
     np.testing.assert_allclose(new_params, expected, rtol=1e-6)
 
 
+def test_bfloat16_updates_are_noised_and_divided_in_float32_then_cast_last():
+    key = jax.random.key(5)
+    optimizer = noise.private_optimizer(
+        optax.sgd(1.0), noise_multiplier=2.0, sensitivity=0.5, expected_batch_size=7.0, key=key
+    )
+    params = jnp.zeros(4000, jnp.bfloat16)
+    total = jax.random.normal(jax.random.key(6), (4000,), jnp.float32) * 3.0
+    updates, _ = optimizer.update(total.astype(jnp.bfloat16), optimizer.init(params), params)
+    _, noise_key = jax.random.split(key)
+    noisy_sum = total.astype(jnp.bfloat16).astype(jnp.float32) + noise.gaussian_noise_tree(
+        noise_key, params, 2.0 * 0.5
+    )
+    assert noisy_sum.dtype == jnp.float32
+    assert updates.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(updates, -(noisy_sum * (1 / 7.0)).astype(jnp.bfloat16))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from dpmix_jax.models import gpt2
+from dpmix_jax.privacy import noise
 from dpmix_jax.privacy.clipping import clip_to_norm
 from dpmix_jax.train import engine, losses, pretrain
 
@@ -138,6 +139,25 @@ def test_one_call_step_matches_chunked_step_and_keeps_the_initial_state():
         np.testing.assert_array_equal(again.params[k], fused.params[k])
 
 
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_bfloat16_update_comes_from_a_float32_noisy_sum_cast_last(chunk_size):
+    indices = np.array([3, 7, 11, 20, 41, 59, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1])
+    mask = indices >= 0
+    model = nnx.Linear(4, 3, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    config = private_config(pad_multiple=16, chunk_size=chunk_size, learning_rate=1.0)
+    trainer = make_trainer(config, model)
+    params = trainer.init_state().params
+    total = trainer.clipped_sum(params, gather, indices, mask)
+    assert {v.dtype for v in total.values()} == {jnp.dtype(jnp.float32)}  # the accumulator
+    stepped = trainer.noisy_step(trainer.init_state(), gather, indices, mask)
+    _, noise_key = jax.random.split(jax.random.key(1))  # make_trainer's key
+    noisy = optax.tree.add(total, noise.gaussian_noise_tree(noise_key, total, 1.0 * 0.3))
+    scale = 1 / trainer.plan.expected_batch_size
+    for k, value in stepped.params.items():
+        assert value.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(value, params[k] - (noisy[k] * scale).astype(jnp.bfloat16))
+
+
 def test_user_level_sum_clips_each_users_mean_gradient():
     trainer = make_trainer(private_config(level="user", max_examples_per_user=3))
     params = trainer.init_state().params
@@ -188,6 +208,23 @@ def test_private_loop_compiles_once_per_padded_size():
     )
     engine.fit(chunked, DATA, rng=np.random.default_rng(3))
     assert len(traces) == per_compile
+
+
+@pytest.mark.parametrize(("private", "bad_step"), [(True, 4), (False, 2)])
+def test_non_finite_parameters_stop_a_run_without_log_steps_within_a_few_steps(private, bad_step):
+    # Adam moves each weight by about the learning rate per step: float32 soon overflows.
+    if private:
+        trainer = make_trainer(private_config(steps=40, optimizer="adam", learning_rate=1e38))
+    else:
+        config = engine.TrainConfig(
+            steps=40, batch_size=12, learning_rate=1e38, progress=False, log_every=None
+        )
+        trainer = engine.Trainer(config, MLP(4, 3, nnx.Rngs(0)), LOSS)
+    done = []
+    message = rf"non-finite parameters at step {bad_step} \(finite at step {bad_step - 1}\)"
+    with pytest.raises(ValueError, match=message):
+        engine.fit(trainer, DATA, rng=np.random.default_rng(7), on_step=lambda d, _: done.append(d))
+    assert max(done) < engine._MAX_STEPS_AHEAD  # stopped where fit first waits for the device
 
 
 def test_public_training_reduces_loss():

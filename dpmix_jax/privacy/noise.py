@@ -1,9 +1,11 @@
 """Gaussian noise as an optax transformation, and the DP-SGD step built from it.
 
-The private optimizer is `optax.chain(add_gaussian_noise(σ·Δ, key), scale(1 / b), optimizer)`:
-noise on the clipped *sum*, division by the public expected batch size b, then any optax update.
-The noise key lives in the optimizer state. It is secret: never log it; a checkpoint holding it is
-sensitive.
+The private optimizer is `optax.chain(add_gaussian_noise(σ·Δ, key), mean_in_param_dtype(b),
+optimizer)`: noise on the clipped *sum* and division by the public expected batch size b, both in
+float32 or wider whatever the parameters' dtype, then the cast of the noisy mean to the
+parameters' dtype and any optax update. The noise key lives in the optimizer state. It is secret:
+never log it; a checkpoint holding it is sensitive. Without a key every `init` draws a new secret
+one, so two runs of one optimizer never share their noise.
 
 Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpmix_jax import parallel
 from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
 from dpmix_jax.privacy.clipping import ClippedGradSum
 from dpmix_jax.privacy.randomness import normal, prng_key, secret_seed
@@ -44,8 +47,19 @@ class GaussianNoiseState(NamedTuple):
     key: jax.Array
 
 
+def noise_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype noise is drawn and added in for values of `dtype`: float32 or wider.
+
+    Privacy: in bfloat16 or float16 the noisy sum would be rounded at the scale of the sum, and
+    the sum itself can be rounded before the noise; the Gaussian mechanism's analysis assumes
+    neither.
+    """
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
-    """A pytree shaped like `like` of independent N(0, stddev²) draws (float32 before the cast).
+    """A pytree shaped like `like` of independent N(0, stddev²) draws, each leaf in
+    `noise_dtype(leaf.dtype)` (float32 for bfloat16 leaves).
 
     One flat draw covers every leaf: a draw per leaf would compile one random-number kernel per
     parameter array (seconds for a GPT-2).
@@ -55,17 +69,36 @@ def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
     flat = stddev * normal(key, sum(sizes))
     parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if leaves else []
     noise = [
-        part.reshape(leaf.shape).astype(leaf.dtype)
+        part.reshape(leaf.shape).astype(noise_dtype(leaf.dtype))
         for part, leaf in zip(parts, leaves, strict=True)
     ]
     return jax.tree.unflatten(treedef, noise)
 
 
+def fresh_secret_key() -> jax.Array:
+    """A new secret PRNG key from the operating system, the same on every process of the run.
+
+    A collective in a multi-process run (`parallel.agree_int`): every process must call it at the
+    same point.
+
+    Privacy: the root of one release's noise; never log it.
+    """
+    return prng_key(parallel.agree_int(secret_seed()))
+
+
 def add_gaussian_noise(stddev: float, key: jax.Array | None = None) -> optax.GradientTransformation:
     """Adds N(0, stddev²) noise to every coordinate of the updates, with a fresh key each call.
 
-    `key` None (default) draws a secret key from the operating system; a key from a known seed
-    makes the noise reproducible and not private against anyone who knows the seed.
+    The updates are promoted to float32 (or wider, `noise_dtype`) and the noise is added there;
+    the result stays in that dtype.
+
+    Args:
+        stddev: the noise standard deviation (>= 0).
+        key: None (default): every `init` draws a new secret key from the operating system
+            (`fresh_secret_key`), so two runs started from one transformation have independent
+            noise. A given key is a seeded, reproducible stream: every `init` starts it again,
+            the caller owns its freshness, and it is not private against anyone who knows the
+            seed. Call `init` outside `jax.jit` (a traced `init` would fix the key it drew).
 
     Privacy: applied to a sum of L2 sensitivity Δ, stddev = σ·Δ gives the Gaussian mechanism with
     noise multiplier σ (`accounting.dpsgd_event`).
@@ -73,19 +106,36 @@ def add_gaussian_noise(stddev: float, key: jax.Array | None = None) -> optax.Gra
     stddev = float(stddev)
     if not stddev >= 0:
         raise ValueError(f"stddev must be >= 0, got {stddev!r}.")
-    key = prng_key(secret_seed()) if key is None else key
 
     def init_fn(params: PyTree) -> GaussianNoiseState:
         del params
-        return GaussianNoiseState(key)
+        return GaussianNoiseState(fresh_secret_key() if key is None else key)
 
     def update_fn(updates: PyTree, state: GaussianNoiseState, params: PyTree = None):
         del params
         next_key, noise_key = jax.random.split(state.key)
         noise = gaussian_noise_tree(noise_key, updates, stddev)
-        return optax.tree.add(updates, noise), GaussianNoiseState(next_key)
+        wide = jax.tree.map(lambda u, n: u.astype(n.dtype), updates, noise)
+        return optax.tree.add(wide, noise), GaussianNoiseState(next_key)
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def mean_in_param_dtype(expected_batch_size: float) -> optax.GradientTransformation:
+    """Divides the updates by `expected_batch_size` in their (float32 or wider) dtype, then casts
+    each to its parameter's dtype (without params the updates keep their dtype). Stateless.
+
+    Privacy: post-processing of the released noisy sum; the divisor is public.
+    """
+    scale = 1.0 / expected_batch_size
+
+    def update_fn(updates: PyTree, state: optax.EmptyState, params: PyTree = None):
+        updates = jax.tree.map(lambda u: u * jnp.asarray(scale, u.dtype), updates)
+        if params is not None:
+            updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+        return updates, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def private_optimizer(
@@ -98,12 +148,17 @@ def private_optimizer(
 ) -> optax.GradientTransformation:
     """Noise the clipped sum, divide by the public expected batch size, then `optimizer`.
 
+    Noise and division happen in float32 or wider (`noise_dtype`); the noisy mean gradient is
+    then cast to each parameter's dtype (when `update` is given the params) before `optimizer`.
+
     Args:
         optimizer: any optax transformation (applied to the noisy mean gradient).
         noise_multiplier: σ >= 0 (0 gives a non-private run with clipping; its ε is infinite).
         sensitivity: Δ of the clipped sum (`ClippedGradSum.sensitivity()`).
         expected_batch_size: the *public* normaliser, q·n (never the realised batch size).
-        key: the noise key; None (default) draws a secret one from the operating system.
+        key: the noise key. None (default): every `init` draws a new secret one from the
+            operating system. A given key makes every `init` replay the same noise stream
+            (seeded; the caller owns its freshness, see `add_gaussian_noise`).
 
     Privacy: (ε, δ) of the run is that of `accounting.dpsgd_event(σ, q, steps)` for the Poisson
     rate q the batches were drawn with.
@@ -113,7 +168,7 @@ def private_optimizer(
     expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
     return optax.chain(
         add_gaussian_noise(sigma * sensitivity, key),
-        optax.scale(1.0 / expected_batch_size),
+        mean_in_param_dtype(expected_batch_size),
         optimizer,
     )
 

@@ -47,7 +47,7 @@ from dpmix_jax import parallel
 from dpmix_jax.privacy import accounting, randomness
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
-from dpmix_jax.privacy.noise import private_optimizer
+from dpmix_jax.privacy.noise import noise_dtype, private_optimizer
 from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
 from dpmix_jax.privacy.sampling import PADDING_INDEX, group_by_user
 from dpmix_jax.train import ghost_models
@@ -82,7 +82,8 @@ class TrainConfig:
         level: "example" or "user" (private runs only).
         clip_norm: C (required for private runs, rejected for public ones).
         epsilon: target ε; or give `noise_multiplier` instead.
-        delta: target δ (private runs).
+        delta: target δ (private runs), below 1/n for n units unless `allow_large_delta`.
+        allow_large_delta: accept δ >= 1/n (see `privacy.DpSgdConfig`).
         noise_multiplier: a fixed σ (ε is then computed by the accountant).
         accountant: "pld" (default) or "rdp".
         max_examples_per_user: G, examples per sampled user (user level).
@@ -115,6 +116,7 @@ class TrainConfig:
     clip_norm: float | None = None
     epsilon: float | None = None
     delta: float | None = None
+    allow_large_delta: bool = False
     noise_multiplier: float | None = None
     accountant: accounting.Accountant = "pld"
     max_examples_per_user: int | None = None
@@ -185,6 +187,7 @@ class TrainConfig:
             accountant=self.accountant,
             max_examples_per_user=self.max_examples_per_user,
             pad_multiple=self.pad_multiple,
+            allow_large_delta=self.allow_large_delta,
         )
 
 
@@ -325,6 +328,11 @@ def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
     return np.concatenate([rows, pad])
 
 
+def _all_finite(tree: PyTree) -> jax.Array:
+    """Whether every element of `tree` is finite: one bool scalar (traced inside the steps)."""
+    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 class Trainer:
     """Jitted public or private steps for one model, loss and config.
 
@@ -336,8 +344,13 @@ class Trainer:
             no noise and no update. None trains everything.
         num_units: private runs: the number of sensitive examples (or users), for the sampling
             rate q = b / n.
-        noise_key: private runs: the key of the Gaussian noise. None (default) draws a secret
-            from the operating system; a key built from a known seed makes the noise
+        noise_key: private runs: the key of the Gaussian noise. None (default): every
+            `init_state()` (so every `fit` from step 0) draws a new secret key from the operating
+            system, the same on all processes, so two runs of one Trainer have independent
+            noise; a resumed run continues with the key in its checkpoint. A given key makes
+            every `init_state()` replay the same noise: the caller owns its freshness (one run
+            per key), and `fit` refuses a second run from step 0 on this Trainer unless given
+            the starting `state` explicitly. A key built from a known seed makes the noise
             reproducible and not private against anyone who knows the seed.
         mesh: a `parallel.make_mesh(...)` mesh: parameters are placed with the FSDP rule,
             batch rows over the "data" axis (each process reads only its rows), and the
@@ -380,8 +393,6 @@ class Trainer:
             check_no_batchnorm(model)
             if num_units is None:
                 raise ValueError("a private Trainer needs num_units.")
-            if noise_key is None:  # one secret for all processes of a multi-process run
-                noise_key = randomness.prng_key(parallel.agree_int(randomness.secret_seed()))
             self.plan = plan_dp_sgd(config.dp_sgd_config(), num_units=int(num_units))
             self.clipping = self._select_clipping(model)
             self.optimizer = private_optimizer(
@@ -400,9 +411,13 @@ class Trainer:
                 )
         else:
             self.optimizer = make_optimizer(config)
+        self._noise_key_given = noise_key is not None
+        self._noise_key_used = False
         self._chunk_fn = jax.jit(self._chunk_sum)
         # One dispatch for the accumulator, not one per parameter (it matters for small steps).
-        self._zeros_fn = jax.jit(lambda tree: jax.tree.map(jnp.zeros_like, tree))
+        self._zeros_fn = jax.jit(
+            lambda tree: jax.tree.map(lambda x: jnp.zeros_like(x, noise_dtype(x.dtype)), tree)
+        )
         self._apply_fn = jax.jit(self._apply, donate_argnums=0)
         # Without chunking a private step is this one call: clipped sum, noise and update, the
         # old state's buffers reused for the new one.
@@ -425,10 +440,29 @@ class Trainer:
 
         A fresh copy each call: private steps donate their input state's buffers to the new one,
         so a state must not be used again after it was passed to `private_step`/`noisy_step`.
+        Private runs without a caller's `noise_key` get a new secret noise key each call (a
+        collective in a multi-process run).
         """
         params = self._initial_params
         state = TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
         return self._place(jax.tree.map(jnp.copy, state))
+
+    def _claim_noise_key(self) -> None:
+        """Marks the caller's noise key as used by a run from step 0; refuses a second such run.
+
+        Privacy: two runs on one key would draw the same noise, so their releases would differ
+        by their data alone.
+        """
+        if not self._noise_key_given:
+            return
+        if self._noise_key_used:
+            raise ValueError(
+                "this Trainer's noise_key already drove a run from step 0; a second run would "
+                "repeat its noise, so two releases would differ by their data alone. Build the "
+                "Trainer with noise_key=None (a new secret key per run) or with a fresh key, or "
+                "pass state=trainer.init_state() to fit to replay the seeded run on purpose."
+            )
+        self._noise_key_used = True
 
     def model(self, state: TrainState) -> nnx.Module:
         """The NNX model with the state's trainable parameters (frozen ones unchanged)."""
@@ -491,12 +525,15 @@ class Trainer:
         )
 
     def _chunk_sum(self, params, frozen, rest, acc, batch, mask):
+        """`acc` (float32 or wider, `noise_dtype`) plus the chunk's clipped sum, in acc's dtype."""
         total, _ = self._grad_sum(frozen, rest)(params, batch, mask)
-        return optax.tree.add(acc, total)
+        return jax.tree.map(lambda a, t: a + t.astype(a.dtype), acc, total)
 
-    def _apply(self, state: TrainState, gradient: PyTree) -> TrainState:
+    def _apply(self, state: TrainState, gradient: PyTree) -> tuple[TrainState, jax.Array]:
+        """The updated state and whether all its parameters are finite (checked by `fit`)."""
         updates, opt_state = self.optimizer.update(gradient, state.opt_state, state.params)
-        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), _all_finite(params)
 
     def _fused_step(self, state, frozen, rest, batch, mask):
         total, _ = self._grad_sum(frozen, rest)(state.params, batch, mask)
@@ -507,7 +544,7 @@ class Trainer:
             return jnp.mean(self.loss_fn(self.split.merge(params, frozen, rest), batch))
 
         loss, grads = jax.value_and_grad(mean_loss)(state.params)
-        return self._apply(state, grads), loss
+        return *self._apply(state, grads), loss
 
     # ---------------------------------------------------------------- host-side steps
     def clipped_sum(
@@ -520,6 +557,9 @@ class Trainer:
             gather: reads examples (-1 rows come back zero-filled).
             indices: (B,) example indices, or (U, G) per-user example indices, -1 for padding.
             mask: bool, same shape as `indices`.
+
+        The sum is accumulated in float32 or wider (`noise.noise_dtype`), whatever the
+        parameters' dtype.
 
         Privacy: the sum has sensitivity `clip_norm` per unit; it is *not* private until noised.
         """
@@ -552,11 +592,17 @@ class Trainer:
         Privacy: one execution of the plan's `step_event()`; the caller records it in the ledger
         (`fit` does).
         """
+        return self._checked_private_step(state, data, rng)[0]
+
+    def _checked_private_step(
+        self, state: TrainState, data: IndexedData, rng: np.random.Generator
+    ) -> tuple[TrainState, jax.Array]:
+        """`private_step`, and whether the new parameters are all finite (on device)."""
         if self.config.level == "user":
             batch = self.sampler.sample(rng, data.users)
         else:
             batch = self.sampler.sample(rng, data.num_examples)
-        return self.noisy_step(state, data.gather, batch.indices, batch.mask)
+        return self._checked_noisy_step(state, data.gather, batch.indices, batch.mask)
 
     def noisy_step(
         self, state: TrainState, gather: Gather, indices: np.ndarray, mask: np.ndarray
@@ -569,6 +615,12 @@ class Trainer:
 
         Privacy: private only as part of `private_step`, on the sampler's Poisson batch.
         """
+        return self._checked_noisy_step(state, gather, indices, mask)[0]
+
+    def _checked_noisy_step(
+        self, state: TrainState, gather: Gather, indices: np.ndarray, mask: np.ndarray
+    ) -> tuple[TrainState, jax.Array]:
+        """`noisy_step`, and whether the new parameters are all finite (on device)."""
         if self.config.chunk_size is None:
             ((batch, chunk_mask),) = self._chunks(gather, indices, mask)
             return self._step_fn(state, self.frozen, self.rest, batch, chunk_mask)
@@ -582,6 +634,13 @@ class Trainer:
         `data` is an `IndexedData` (a uniform batch of `batch_size` distinct rows per step) or a
         callable `rng -> batch` (e.g. `pretrain.PackedMixture.batch`).
         """
+        state, _, loss = self._checked_public_step(state, data, rng)
+        return state, loss
+
+    def _checked_public_step(
+        self, state: TrainState, data: IndexedData | BatchFn, rng: np.random.Generator
+    ) -> tuple[TrainState, jax.Array, jax.Array]:
+        """`public_step` as (state, whether its parameters are all finite (on device), loss)."""
         if isinstance(data, IndexedData):
             size = min(self.config.batch_size, data.num_examples)
             indices = rng.choice(data.num_examples, size, replace=False)
@@ -643,11 +702,6 @@ class FitResult:
     rng: np.random.Generator
 
 
-@jax.jit
-def _all_finite(tree: PyTree) -> jax.Array:
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
 # Steps dispatched ahead of the devices before `fit` waits for them. XLA:CPU launches every local
 # device's share of a step on one thread pool (as many threads as devices) and each launch waits
 # for a per-device slot (32 in flight): with more steps queued, blocked launches can hold every
@@ -656,18 +710,22 @@ def _all_finite(tree: PyTree) -> jax.Array:
 _MAX_STEPS_AHEAD = 8
 
 
-def _check_finite(params: PyTree, step: int, last_checked: int) -> int:
-    """Returns `step` if every parameter is finite, else raises a ValueError naming the steps.
+def _check_finite(flags: list[tuple[int, jax.Array]], last_checked: int) -> int:
+    """The last step of `flags` if all its steps left finite parameters, else a ValueError naming
+    the first step that did not.
 
-    One jitted reduction and one scalar fetch; `fit` calls it at log and checkpoint steps and at
-    the end (a non-finite state is never saved).
+    `flags` holds (step, the step's on-device finite flag) for the steps since `last_checked`;
+    fetching them is one transfer of a few scalars the steps already computed.
     """
-    if not bool(_all_finite(params)):
-        raise ValueError(
-            f"training produced non-finite parameters at step {step} (finite at step "
-            f"{last_checked}); lower the learning rate or check the data and loss."
-        )
-    return step
+    steps = [step for step, _ in flags]
+    for step, finite in zip(steps, jax.device_get([f for _, f in flags]), strict=True):
+        if not finite:
+            raise ValueError(
+                f"training produced non-finite parameters at step {step} (finite at step "
+                f"{last_checked}); lower the learning rate or check the data and loss."
+            )
+        last_checked = step
+    return last_checked
 
 
 def fit(
@@ -706,8 +764,12 @@ def fit(
         A `FitResult`. For private runs `ledger.epsilon(delta)` is the ε of the steps executed.
 
     Raises:
-        ValueError: the parameters became non-finite (checked at log and checkpoint steps and
-            at the end, so a non-finite state is never saved); the message names the step.
+        ValueError: the parameters became non-finite: every step computes a finite flag on the
+            device, and `fit` reads the flags every few steps (where it waits for the devices
+            anyway), before logging, evaluating or saving (a non-finite state is never saved)
+            and at the end; the message names the first non-finite step. Also a second run
+            from step 0 of a private Trainer built with a caller's `noise_key` without an
+            explicit `state`: it would replay the first run's noise on whatever data it is given.
 
     Privacy: private runs read `data` only through accounted DP-SGD steps; each executed step is
     recorded once (a resumed run restores the ledger, never re-records). Logged values are the
@@ -722,40 +784,49 @@ def fit(
     logger = MetricLogger() if logger is None else logger
     if rng is None:  # one secret sampler seed for all processes of a multi-process run
         rng = np.random.default_rng(parallel.agree_int(randomness.secret_seed()))
-    state = trainer.init_state() if state is None else state
+    fresh = state is None
+    state = trainer.init_state() if fresh else state
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state, rng, restored = checkpointer.restore(state)
         ledger = restored if config.private else ledger
+        fresh = False
     until = config.steps if until is None else min(until, config.steps)
     start = int(state.step)
+    if config.private and fresh and start < until:
+        trainer._claim_noise_key()
     checked = start  # the last step whose parameters were checked finite (or the resumed one)
+    flags: list[tuple[int, jax.Array]] = []  # steps not yet checked, with their finite flags
     bar = tqdm.trange(start, until, initial=start, total=until, disable=not config.progress)
     for step in bar:
         if config.private:
-            state = trainer.private_step(state, data, rng)
+            state, finite = trainer._checked_private_step(state, data, rng)
             ledger.record(trainer.plan.step_event())
             metrics = {}
         else:
-            state, loss = trainer.public_step(state, data, rng)
+            state, finite, loss = trainer._checked_public_step(state, data, rng)
             metrics = {"train_loss": loss}
         done = step + 1
+        flags.append((done, finite))
         saving = checkpointer is not None and (
             done == until or (config.checkpoint_every and done % config.checkpoint_every == 0)
         )
         log_now = config.log_every and (done % config.log_every == 0 or done == until)
-        if saving or log_now or done == until:
-            checked = _check_finite(state.params, done, checked)
+        evaluating = evaluate is not None and config.eval_every and done % config.eval_every == 0
+        waiting = done % _MAX_STEPS_AHEAD == 0
+        if waiting:
+            jax.block_until_ready(state.params)
+        if saving or log_now or evaluating or waiting or done == until:
+            checked = _check_finite(flags, checked)
+            flags.clear()
         if log_now:
             if config.private:
                 metrics["epsilon"] = ledger.epsilon(config.delta, config.accountant)
             logger.log(done, metrics)
             bar.set_postfix({k: f"{float(v):.4g}" for k, v in metrics.items()})
-        if evaluate is not None and config.eval_every and done % config.eval_every == 0:
+        if evaluating:
             logger.log(done, {f"eval/{k}": v for k, v in evaluate(trainer.model(state)).items()})
         if saving:
             checkpointer.save(done, state, rng=rng, ledger=ledger)
         if on_step is not None:
             on_step(done, until)
-        if done % _MAX_STEPS_AHEAD == 0:
-            jax.block_until_ready(state.params)
     return FitResult(state, trainer.model(state), ledger, rng)
