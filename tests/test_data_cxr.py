@@ -7,6 +7,7 @@ import pytest
 from PIL import Image
 
 from dpmix_jax.data import cxr
+from dpmix_jax.privacy import assign_parts
 
 
 def _image(path, value, size=(12, 10), fmt=None):
@@ -67,12 +68,73 @@ def test_nih_labels_and_images(nih_root):
     assert not batch["image"][1].any() and not batch["labels"][1].any()
 
 
+def test_an_image_over_the_decompression_bomb_limit_is_refused_when_loaded(nih_root, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # the fixture's images have 120 pixels
+    with pytest.raises(ValueError, match=r"image .*00000001_000.png: 12x10 pixels is over"):
+        cxr.load_nih(nih_root)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50)  # over twice the limit: Pillow refuses
+    with pytest.raises(ValueError, match=r"image .*00000001_000.png: its size is over"):
+        cxr.load_nih(nih_root)
+
+
 def test_nih_official_and_patient_disjoint_splits(nih_root):
     splits = cxr.nih_official_splits(nih_root, val_fraction=0.4, seed=0, image_size=(4, 4))
     assert len(splits["test"]) == 2 and len(splits["train"]) + len(splits["val"]) == 6
     assert set(splits["test"].patient_ids.tolist()) == {4, 6}
     assert not set(splits["train"].patient_ids.tolist()) & set(splits["val"].patient_ids.tolist())
-    assert len(set(splits["val"].patient_ids.tolist())) == 2  # round(0.4 * 5 patients)
+    train_val_patients = np.array([1, 2, 3, 5])
+    in_val = assign_parts(train_val_patients, (0.6, 0.4), key=0) == 1
+    assert set(splits["val"].patient_ids.tolist()) == set(train_val_patients[in_val].tolist())
+
+
+def test_nih_refuses_an_image_under_two_patients(nih_root):
+    csv_path = nih_root / "Data_Entry_2017.csv"
+    with csv_path.open("a", newline="") as f:
+        csv.writer(f).writerow(["00000002_000.png", "No Finding", 0, 7, 50, "M", "PA", 12, 10])
+    message = r"Data_Entry_2017.csv rows 4 and 10: image '00000002_000.png' is listed twice"
+    with pytest.raises(ValueError, match=message + r" \(Patient ID '2' and '7'\)"):
+        cxr.load_nih(nih_root)
+    with pytest.raises(ValueError, match=message):
+        cxr.nih_official_splits(nih_root)
+
+
+@pytest.mark.parametrize("overlap", ["equal", "one image"])
+def test_nih_refuses_a_test_list_overlapping_train_val(nih_root, overlap):
+    train_val = (nih_root / "train_val_list.txt").read_text()
+    if overlap == "equal":
+        (nih_root / "test_list.txt").write_text(train_val)
+    else:
+        (nih_root / "test_list.txt").write_text("00000004_000.png\n00000003_000.png\n")
+    message = r"train_val_list.txt and .*test_list.txt both list image '0000000[13]_000.png'"
+    for subset in ("train_val", "test"):
+        with pytest.raises(ValueError, match=message):
+            cxr.load_nih(nih_root, subset=subset)
+    with pytest.raises(ValueError, match=message):
+        cxr.nih_official_splits(nih_root)
+
+
+def test_adding_a_patient_moves_no_other_patient():
+    def dataset(patients):
+        n = len(patients)
+        return cxr.CxrDataset(
+            paths=[f"{i}.png" for i in range(n)],
+            labels=np.zeros((n, 14)),
+            label_names=cxr.NIH_LABELS,
+            patient_ids=np.asarray(patients),
+            views=["frontal"] * n,
+            image_size=(4, 4),
+        )
+
+    patients = np.repeat(np.arange(1, 1001), 2)  # two images each
+    before = cxr.patient_disjoint_split(dataset(patients), (0.8, 0.1, 0.1), seed=0)
+    part_of = {int(patients[i]): j for j, idx in enumerate(before) for i in idx}
+    grown = np.concatenate([[5000], patients])  # a new patient as the first row
+    after = cxr.patient_disjoint_split(dataset(grown), (0.8, 0.1, 0.1), seed=0)
+    moved = {
+        p for j, idx in enumerate(after) for p in grown[idx].tolist() if part_of.get(p, j) != j
+    }
+    assert not moved
+    assert all(0.05 < len(idx) / len(patients) < 0.85 for idx in before)
 
 
 def test_nih_malformed_inputs(nih_root):
@@ -90,9 +152,8 @@ def test_nih_malformed_inputs(nih_root):
     ds = cxr.load_nih(nih_root, on_missing="skip")
     assert len(ds) == 7 and ds.skipped == {"missing_image": 1}
     (nih_root / "images_001/images/00000002_000.png").write_bytes(b"not a png")
-    ds = cxr.load_nih(nih_root, on_missing="skip")
     with pytest.raises(ValueError, match="cannot read image .*00000002_000.png"):
-        ds.gather(np.array([2]))
+        cxr.load_nih(nih_root, on_missing="skip")
     with pytest.raises(ValueError, match="missing file"):
         cxr.load_nih(nih_root / "nowhere")
 

@@ -204,6 +204,18 @@ def test_user_level_accounting_uses_the_user_sampling_rate():
     assert result.epsilon == accounting.epsilon(event, delta=1e-5)
 
 
+def test_delta_of_one_over_n_or_more_is_refused_unless_explicitly_allowed():
+    settings = dict(noise_multiplier=1.0, steps=3, batch_size=40, clip_norm=1.0, learning_rate=0.1)
+    with pytest.raises(ValueError, match=r"delta = 0.0025 >= 1/n = 0.0025 for n = 400 examples"):
+        solvers.dp_mixmin(PREDS, delta=1 / 400, **settings)
+    user_ids = np.arange(400) // 4  # 100 users
+    with pytest.raises(ValueError, match=r"delta = 0.01 >= 1/n = 0.01 for n = 100 users"):
+        solvers.dp_mixmin(PREDS, user_ids=user_ids, max_examples_per_user=4, delta=0.01, **settings)
+    allowed = solvers.dp_mixmin(PREDS, delta=0.5, allow_large_delta=True, seed=0, **settings)
+    assert allowed.allow_large_delta and allowed.delta == 0.5
+    assert not solvers.dp_mixmin(PREDS, delta=1e-3, seed=0, **settings).allow_large_delta
+
+
 def test_no_noise_control_reports_infinite_epsilon():
     result = solvers.dp_mixmin(
         PREDS,

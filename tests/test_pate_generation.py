@@ -1,5 +1,7 @@
 """Private decoding with teacher ensembles; in-context GPT-2 teachers; the record partition."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +54,7 @@ DPWS = dict(aggregator="dpws", epsilon=1.0, delta=1e-6, gamma=1.0)
 )
 def test_agreeing_teachers_are_followed_and_every_query_is_charged(sampler, privacy):
     config = generation.GenerationConfig(sampler=sampler, max_new_tokens=6, **privacy)
-    result = generation.generate(jax.random.key(0), chain_table(64), [3], config)
+    result = generation.generate(chain_table(64), [3], config, key=jax.random.key(0))
     assert result.tokens == [4, 5, 6, 7, 8, 9]
     assert result.sources == ["private"] * 6 and result.stop_reason == "max_new_tokens"
     assert result.num_queries == 6 == result.ledger.count
@@ -70,7 +72,7 @@ def test_confident_gnmax_run_releases_its_data_dependent_epsilon_privately():
     config = generation.GenerationConfig(
         max_new_tokens=4, release_order=8.0, release_noise_multiplier=2.0, **gnmax
     )
-    result = generation.generate(jax.random.key(0), chain_table(64), [3], config)
+    result = generation.generate(chain_table(64), [3], config, key=jax.random.key(0))
     released = result.released
     assert released.order == 8.0 and released.noise_multiplier == 2.0
     expected = smooth_sensitivity.release_data_dependent_epsilon(
@@ -91,10 +93,30 @@ def test_confident_gnmax_run_releases_its_data_dependent_epsilon_privately():
         generation.GenerationConfig(release_order=8.0, **DPWS)
 
 
+def test_the_released_epsilon_is_seeded_only_when_the_run_is():
+    config = generation.GenerationConfig(
+        aggregator="confident_gnmax",
+        threshold=40.0,
+        sigma1=5.0,
+        sigma2=3.0,
+        max_new_tokens=2,
+        release_order=8.0,
+        release_noise_multiplier=2.0,
+    )
+    secret = [generation.generate(chain_table(64), [3], config) for _ in range(2)]
+    assert not any(run.seeded or run.released.seeded for run in secret)
+    assert secret[0].released.epsilon != secret[1].released.epsilon  # fresh release noise
+    seeded = [
+        generation.generate(chain_table(64), [3], config, key=jax.random.key(5)) for _ in "ab"
+    ]
+    assert all(run.seeded and run.released.seeded for run in seeded)
+    assert seeded[0].released.epsilon == seeded[1].released.epsilon  # reproducible
+
+
 def test_failed_steps_fall_back_to_public_model_and_retries_are_charged():
     config = generation.GenerationConfig(max_new_tokens=4, max_retries=2, **DPWS)
     result = generation.generate(
-        jax.random.key(1), disagreeing_teachers(24), [], config, public_model=public_model
+        disagreeing_teachers(24), [], config, public_model=public_model, key=jax.random.key(1)
     )
     assert result.tokens == [V - 1] * 4 and result.sources == ["public"] * 4
     assert result.num_queries == 12 == result.num_failed  # 4 steps x (1 + 2 retries)
@@ -115,24 +137,24 @@ def test_retries_share_one_sampler_set_up_per_step(monkeypatch):
     monkeypatch.setattr(samplers, "coordinated_sampler", counting)
     config = generation.GenerationConfig(max_new_tokens=3, max_retries=2, **DPWS)
     result = generation.generate(
-        jax.random.key(1), disagreeing_teachers(24), [], config, public_model=public_model
+        disagreeing_teachers(24), [], config, public_model=public_model, key=jax.random.key(1)
     )
     assert result.num_queries == 9 and len(prepared) == 3  # 3 steps x 3 calls, 3 set-ups
 
 
 def test_without_public_model_decoding_stops_on_fail():
     config = generation.GenerationConfig(max_new_tokens=4, **DPWS)
-    result = generation.generate(jax.random.key(2), disagreeing_teachers(24), [], config)
+    result = generation.generate(disagreeing_teachers(24), [], config, key=jax.random.key(2))
     assert result.tokens == [] and result.stop_reason == "fail" and result.num_queries == 1
 
 
 def test_stops_on_eos_and_stop_sequence_and_shares_a_ledger():
     ledger = accounting.PateLedger()
     eos = generation.GenerationConfig(max_new_tokens=20, eos_id=7, **DPWS)
-    result = generation.generate(jax.random.key(3), chain_table(64), [3], eos, ledger=ledger)
+    result = generation.generate(chain_table(64), [3], eos, ledger=ledger, key=jax.random.key(3))
     assert result.tokens == [4, 5, 6, 7] and result.stop_reason == "eos"
     stop = generation.GenerationConfig(max_new_tokens=20, stop_sequences=((9, 10),), **DPWS)
-    result = generation.generate(jax.random.key(4), chain_table(64), [6], stop, ledger=ledger)
+    result = generation.generate(chain_table(64), [6], stop, ledger=ledger, key=jax.random.key(4))
     assert result.tokens == [7, 8, 9, 10] and result.stop_reason == "stop_sequence"
     assert ledger.count == 8 and result.ledger is ledger
 
@@ -145,7 +167,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="epsilon"):
         generation.GenerationConfig(epsilon=0.0)
     with pytest.raises(ValueError, match="protocol"):
-        generation.generate(jax.random.key(0), object(), [], generation.GenerationConfig())
+        generation.generate(object(), [], generation.GenerationConfig(), key=jax.random.key(0))
 
 
 def test_partition_is_disjoint_covering_and_keyed_by_record_id():
@@ -198,3 +220,22 @@ def test_in_context_teachers_match_unbatched_forward_passes():
             np.testing.assert_allclose(logits[i], np.asarray(alone), atol=1e-4)
     with pytest.raises(ValueError, match="tokens"):
         teachers(list(range(60)))
+
+
+def test_a_total_delta_of_one_over_the_teachers_or_more_is_refused_before_any_teacher_is_read():
+    calls, table = [], chain_table(10)
+
+    class Counting:
+        vocab_size, num_teachers = V, 10
+
+        def __call__(self, prefix):
+            calls.append(prefix)
+            return table(prefix)
+
+    # DPWS charges δ = 0.01 per call: 6 tokens x 2 tries is 0.12 + 1e-5 >= 1/10.
+    config = generation.GenerationConfig(max_new_tokens=6, max_retries=1, epsilon=1.0, delta=0.01)
+    with pytest.raises(ValueError, match=r"total δ .* >= 1/n = 0\.1 for n = 10 teachers"):
+        generation.generate(Counting(), [3], config)
+    assert calls == []
+    allowed = dataclasses.replace(config, allow_large_delta=True)
+    assert generation.generate(Counting(), [3], allowed).tokens

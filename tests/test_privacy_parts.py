@@ -89,6 +89,17 @@ def test_bad_ids_and_keys_are_rejected():
             assign_parts([1, 2], (0.5, 0.5), key=key)
 
 
+def test_any_iterable_of_ids_is_accepted_and_anything_else_is_one_clear_line():
+    ids = [f"user{i}" for i in range(50)]
+    expected = assign_parts(ids, (0.3, 0.7), key=b"k").tolist()
+    assert assign_parts((u for u in ids), (0.3, 0.7), key=b"k").tolist() == expected
+    assert assign_parts(iter(tuple(ids)), (0.3, 0.7), key=b"k").tolist() == expected
+    assert assign_parts(range(3), (1.0,), key=b"k").tolist() == [0, 0, 0]
+    for bad in ("user0", b"user0", 7, None):
+        with pytest.raises(ValueError, match=r"^unit_ids must be an iterable of ids"):
+            assign_parts(bad, (0.5, 0.5), key=b"k")
+
+
 def test_prng_key_depends_on_every_bit_of_a_large_seed():
     data = lambda key: jax.random.key_data(key).tolist()  # noqa: E731
     assert data(randomness.prng_key(5)) == data(jax.random.key(5))

@@ -89,9 +89,9 @@ def test_generation_without_a_key_is_secret():
     # 40 teachers that all agree on a flat distribution over 12 tokens: decoding is pure noise.
     teachers = TableTeachers(jnp.zeros((40, 12, 12)))
     config = generation.GenerationConfig(max_new_tokens=12, epsilon=5.0)
-    runs = [generation.generate(None, teachers, [1], config) for _ in range(4)]
+    runs = [generation.generate(teachers, [1], config) for _ in range(4)]
     assert len({tuple(run.tokens) for run in runs}) > 1 and not any(run.seeded for run in runs)
-    assert generation.generate(jax.random.key(0), teachers, [1], config).seeded
+    assert generation.generate(teachers, [1], config, key=jax.random.key(0)).seeded
 
 
 @pytest.mark.parametrize("make", [DpSgdConfig, TrainConfig])

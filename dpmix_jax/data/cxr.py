@@ -11,7 +11,8 @@ Label handling: NIH `Finding Labels` are `|`-joined names, `No Finding` means al
 and MIMIC-CXR observations are 1.0 / 0.0 / -1.0 (uncertain) / blank; uncertain and blank map to 0
 ("U-Zeros"); a blank field is allowed, a missing one is not. Any other value, an unknown finding
 name, a missing column, a row with more or fewer fields than the header, or a CSV that is not
-UTF-8 is a ValueError naming the file and row (rows are numbered as the file's lines). A CSV
+UTF-8 is a ValueError naming the file and row (rows are numbered as the file's lines); so are an
+NIH image listed in two rows (two Patient IDs) and an image in both official NIH lists. A CSV
 row whose image file is missing is an error by default; with `on_missing="skip"` it is left out
 and counted in `.skipped["missing_image"]` (partial downloads).
 MIMIC-CXR images whose study has no row in the CheXpert-labels file are known to exist in the real
@@ -24,7 +25,7 @@ API:
     nih_official_splits(root, *, val_fraction=0.1, seed=0, image_size=(224, 224)) -> train/val/test
     load_chexpert(root, *, split="train", views="frontal", image_size=..., on_missing="error")
     load_mimic_cxr(root, *, split=None, views="frontal", image_size=..., on_missing="error")
-    patient_disjoint_split(dataset, fractions, *, seed) -> index arrays
+    patient_disjoint_split(dataset, fractions, *, seed) -> index arrays (keyed hash of patient)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import csv
 import gzip
 import io
 import re
+import warnings
 import zlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -42,7 +44,8 @@ from typing import Literal
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from dpmix_jax.data.sources import Source, group_disjoint_split
+from dpmix_jax.data.sources import Source
+from dpmix_jax.privacy.parts import assign_parts
 
 NIH_LABELS = (
     "Atelectasis",
@@ -151,7 +154,7 @@ class CxrDataset(Source):
                     resized = Image.fromarray(scaled).resize(size, _BILINEAR)
                     return np.asarray(resized, dtype=np.float32)[..., None]
                 gray = img.convert("L").resize(size, _BILINEAR)
-        except (OSError, UnidentifiedImageError) as err:
+        except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as err:
             raise ValueError(f"cannot read image {path}: {err}") from err
         return (np.asarray(gray, dtype=np.float32) / 255.0)[..., None]
 
@@ -176,14 +179,19 @@ class CxrDataset(Source):
 
 
 def patient_disjoint_split(
-    dataset: CxrDataset, fractions: Sequence[float], *, seed: int
+    dataset: CxrDataset, fractions: Sequence[float], *, seed: int | bytes
 ) -> tuple[np.ndarray, ...]:
-    """Index arrays splitting `dataset` by patient (no patient in two parts), seeded.
+    """Index arrays splitting `dataset` by patient (no patient in two parts).
+
+    Patient p goes to part `privacy.assign_parts([p], fractions, key=seed)`: a keyed hash of
+    the patient id, so the parts hold the fractions of patients in expectation.
 
     Privacy:
-        Splits along patients, so every image of a patient lands in one stage.
+        Splits along patients, so every image of a patient lands in one stage; a patient's part
+        depends only on their id and `seed`, so adding or removing a patient moves no other.
     """
-    return group_disjoint_split(dataset.patient_ids, fractions, seed=seed)
+    parts = assign_parts(dataset.patient_ids, fractions, key=seed)
+    return tuple(np.flatnonzero(parts == j) for j in range(len(fractions)))
 
 
 def _read_text(path: Path) -> str:
@@ -245,12 +253,37 @@ def _keep_existing(
     kept = []
     for row in rows:
         if row[0].is_file():
+            _check_image_header(row[0])
             kept.append(row)
         elif on_missing == "error":
             raise ValueError(f"{csv_path} lists image {row[0]}, which does not exist")
         else:
             skipped["missing_image"] += 1
     return kept
+
+
+def _check_image_header(path: Path) -> None:
+    """Refuses an image Pillow cannot identify or would refuse to decode, before any training.
+
+    Only the header is read; an image over Pillow's decompression-bomb limit is refused here
+    rather than in the middle of a run.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                width, height = img.size
+    except Image.DecompressionBombError:
+        width = height = None
+    except (OSError, UnidentifiedImageError) as err:
+        raise ValueError(f"cannot read image {path}: {err}") from None
+    limit = Image.MAX_IMAGE_PIXELS
+    if width is None or (limit is not None and width * height > limit):
+        size = "its size" if width is None else f"{width}x{height} pixels"
+        raise ValueError(
+            f"image {path}: {size} is over Pillow's decompression-bomb limit of {limit} pixels; "
+            "resize or remove it"
+        )
 
 
 def _build(rows, label_names, image_size, skipped) -> CxrDataset:
@@ -311,14 +344,12 @@ def load_nih(
         ),
         root / "Data_Entry_2017.csv",
     )
+    if subset not in ("all", "train_val", "test"):
+        raise ValueError(f"subset must be 'all', 'train_val' or 'test', got {subset!r}")
     entries = _read_csv(csv_path, ["Image Index", "Finding Labels", "Patient ID"])
+    _check_nih_images_unique(entries, csv_path)
     if subset != "all":
-        if subset not in ("train_val", "test"):
-            raise ValueError(f"subset must be 'all', 'train_val' or 'test', got {subset!r}")
-        list_path = root / f"{subset}_list.txt"
-        if not list_path.is_file():
-            raise ValueError(f"missing file {list_path}")
-        wanted = set(_read_text(list_path).split())
+        wanted = _nih_list(root, subset)
         entries = [(line, e) for line, e in entries if e["Image Index"] in wanted]
     files = {p.name: p for p in sorted(root.glob("images*/**/*.png"))}
     rows = []
@@ -336,6 +367,41 @@ def load_nih(
     return _build(rows, NIH_LABELS, image_size, skipped)
 
 
+def _check_nih_images_unique(entries: list[tuple[int, dict[str, str]]], csv_path: Path) -> None:
+    """A ValueError naming both rows when one image is listed twice (under two patients or one):
+    a patient-disjoint split needs each image to belong to exactly one patient."""
+    first: dict[str, tuple[int, str]] = {}
+    for line, entry in entries:
+        name, patient = entry["Image Index"], entry["Patient ID"]
+        if name in first:
+            other_line, other_patient = first[name]
+            raise ValueError(
+                f"{csv_path} rows {other_line} and {line}: image {name!r} is listed twice "
+                f"(Patient ID {other_patient!r} and {patient!r}); an image must have one row "
+                "and one patient: remove the wrong row"
+            )
+        first[name] = (line, patient)
+
+
+def _nih_list(root: Path, subset: str) -> set[str]:
+    """The image names of `<subset>_list.txt`; a ValueError when an image is also in the other
+    official list (the test images must be held out of train_val)."""
+    lists = {name: root / f"{name}_list.txt" for name in ("train_val", "test")}
+    if not lists[subset].is_file():
+        raise ValueError(f"missing file {lists[subset]}")
+    wanted = set(_read_text(lists[subset]).split())
+    other = lists["test" if subset == "train_val" else "train_val"]
+    if other.is_file():
+        shared = wanted & set(_read_text(other).split())
+        if shared:
+            raise ValueError(
+                f"{lists['train_val']} and {lists['test']} both list image {min(shared)!r} "
+                f"({len(shared)} images in both); the test images must not be in train_val: "
+                "use the official lists"
+            )
+    return wanted
+
+
 def nih_official_splits(
     root: str | Path,
     *,
@@ -347,10 +413,15 @@ def nih_official_splits(
     """The official NIH test split, and a patient-disjoint train/val split of `train_val_list.txt`.
 
     Returns:
-        {"train": ..., "val": ..., "test": ...}.
+        {"train": ..., "val": ..., "test": ...}; val holds `val_fraction` of the train_val
+        patients in expectation (`patient_disjoint_split` with key `seed`).
+
+    Raises:
+        ValueError: an image listed twice in the CSV, or in both official lists.
 
     Privacy:
-        The validation split is disjoint from train by patient.
+        The validation split is disjoint from train by patient, and a patient's split depends
+        only on their id and `seed`.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")

@@ -22,6 +22,7 @@ log-probability of document j is Σ_t mask·log p(targets | inputs), and `token_
 API:
     UserDocument(user, text)                  one example (`UserDocuments[i]`)
     UserDocuments(texts, user_ids, users, skipped)   `.subset(idx)`, `.split_by_user(fr, *, seed)`
+                                              (a keyed hash of each user's name)
     load_enron(root, folders=("sent", "sent_items", "_sent_mail"))
     clean_email_body(body) -> str
     iter_documents(path, *, max_documents=None, text_field="text") -> Iterator[str]
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpmix_jax.data.sources import group_disjoint_split
+from dpmix_jax.privacy.parts import assign_parts
 
 ENRON_SENT_FOLDERS = ("sent", "sent_items", "_sent_mail")
 _REPLY_MARKER = re.compile(r"^\s*-{2,}\s*Original Message\s*-{2,}", re.IGNORECASE | re.MULTILINE)
@@ -101,15 +102,26 @@ class UserDocuments:
             skipped=self.skipped,
         )
 
-    def split_by_user(self, fractions: Sequence[float], *, seed: int) -> tuple[UserDocuments, ...]:
-        """User-disjoint parts holding the given fractions of users, seeded.
+    def split_by_user(
+        self, fractions: Sequence[float], *, seed: int | bytes
+    ) -> tuple[UserDocuments, ...]:
+        """User-disjoint parts holding the given fractions of users in expectation.
+
+        User u goes to part `privacy.assign_parts([name of u], fractions, key=seed)`: a keyed
+        hash of the user's name, so the parts' sizes vary around the fractions.
+
+        Args:
+            fractions: the expected share of users in each part; positive, summing to 1.
+            seed: the hash key (an integer, or secret bytes).
 
         Privacy:
             No user appears in two parts, so stages run on different parts compose in parallel
-            under user-level DP.
+            under user-level DP. A user's part depends only on their name and `seed`: adding or
+            removing a user moves no other user between parts.
         """
-        parts = group_disjoint_split(np.asarray(self.user_ids), fractions, seed=seed)
-        return tuple(self.subset(p) for p in parts)
+        names = [self.users[u] for u in np.asarray(self.user_ids)]
+        parts = assign_parts(names, fractions, key=seed)
+        return tuple(self.subset(np.flatnonzero(parts == j)) for j in range(len(fractions)))
 
 
 def clean_email_body(body: str) -> str:
@@ -244,9 +256,19 @@ def _iter_jsonl(path: Path, text_field: str) -> Iterator[str]:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} line {line_number}: invalid JSON ({err.msg})") from err
+        except RecursionError:
+            raise ValueError(f"{path} line {line_number}: JSON nested too deeply to read") from None
         if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
             raise ValueError(f"{path} line {line_number}: no string field {text_field!r}")
-        yield record[text_field]
+        text = record[text_field]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"{path} line {line_number}: the {text_field!r} text holds the lone surrogate "
+                f"U+{ord(text[err.start]):04X} (an unpaired \\u escape), which is not Unicode text"
+            ) from None
+        yield text
 
 
 def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
@@ -266,11 +288,12 @@ def _iter_parquet(path: Path, text_field: str) -> Iterator[str]:
                     raise ValueError(f"{path} row {row}: the {text_field!r} value is {text!r}")
                 yield text
                 row += 1
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:
+        reason = ascii(str(err).splitlines()[0][:120]) if str(err) else type(err).__name__
         raise ValueError(
-            f"{path}: not a readable Parquet file after row {row} ({err}); "
-            "the file is truncated or corrupt: download it again"
-        ) from err
+            f"{path}: not a readable Parquet file after row {row}; the file is truncated or "
+            f"corrupt: download it again (reader said {reason})"
+        ) from None
 
 
 def iter_documents(

@@ -335,6 +335,8 @@ class DpMixMinResult:
         seeded: True when the caller's seed drove the noise and sampling (reproducible, not
             private against anyone who knows the seed: `privacy.SEEDED_NOTE`); False when the
             randomness was a secret from the operating system.
+        allow_large_delta: True when the caller accepted δ >= 1/n (`num_units`), a δ that
+            allows publishing a unit in the clear.
     """
 
     weights: np.ndarray
@@ -354,6 +356,7 @@ class DpMixMinResult:
     accountant: str
     ledger: accounting.PrivacyLedger
     seeded: bool
+    allow_large_delta: bool = False
 
     @property
     def event(self) -> dp_accounting.DpEvent:
@@ -385,6 +388,7 @@ def dp_mixmin(
     accountant: accounting.Accountant = "pld",
     shift: Shift = DEFAULT_SHIFT,
     noise_multiplier: float | None = None,
+    allow_large_delta: bool = False,
 ) -> DpMixMinResult:
     """DP-MixMin: privately learn mixture weights λ from cached proxy outputs.
 
@@ -431,12 +435,15 @@ def dp_mixmin(
         shift: per-example gradient shift before clipping: "mean" (default), "weighted", "none".
         noise_multiplier: a fixed σ >= 0; ε is then computed, not targeted. σ = 0 is a no-noise
             control: ε = inf and `result.is_private` is False.
+        allow_large_delta: accept δ >= 1/n (n examples, or users at user level), refused by
+            default; the result records it.
 
     Returns:
         A `DpMixMinResult`.
 
     Raises:
-        ValueError: on invalid proxy outputs or settings (see `objectives.prepare_examples`).
+        ValueError: on invalid proxy outputs or settings (see `objectives.prepare_examples`),
+            or δ >= 1/n without `allow_large_delta`.
 
     Privacy: (ε, δ)-DP under add/remove of one example (or one user with all their examples)
     of the mixture split, with ε from the accountant for `dpsgd_event(σ, q, T)`; the released
@@ -470,6 +477,7 @@ def dp_mixmin(
         noise_multiplier=noise_multiplier,
         accountant=accountant,
         max_examples_per_user=max_examples_per_user,
+        allow_large_delta=allow_large_delta,
     )
     dp_plan = plan.plan_dp_sgd(config, num_units=num_examples if users is None else len(users))
     rng = np.random.default_rng(seed)
@@ -519,6 +527,7 @@ def dp_mixmin(
         accountant=accountant,
         ledger=ledger,
         seeded=seeded,
+        allow_large_delta=config.allow_large_delta,
     )
 
 

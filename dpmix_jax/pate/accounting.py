@@ -104,9 +104,9 @@ class PateLedger:
     extra_delta: float = 0.0
 
     def record(self, event: dp_accounting.DpEvent, count: int = 1, *, delta: float = 0.0):
-        """Records `count` executions of `event`, each also charging `delta` (>= 0)."""
-        if not delta >= 0:
-            raise ValueError(f"delta must be >= 0, got {delta!r}.")
+        """Records `count` executions of `event`, each also charging `delta` (in [0, 1))."""
+        if not 0 <= delta < 1:
+            raise ValueError(f"delta must be in [0, 1), got {delta!r}.")
         self.events.record(event, count)
         self.extra_delta += count * delta
 
@@ -115,12 +115,43 @@ class PateLedger:
         """How many aggregator calls were recorded."""
         return self.events.count
 
-    def budget(self, delta: float) -> privacy.PrivacyBudget:
-        """The (ε, δ + extra_delta) guarantee of everything recorded."""
+    def budget(
+        self,
+        delta: float,
+        *,
+        num_units: int | None = None,
+        unit: str = "records",
+        allow_large_delta: bool = False,
+    ) -> privacy.PrivacyBudget:
+        """The (ε, δ + extra_delta) guarantee of everything recorded.
+
+        Args:
+            delta: the δ at which the events' ε is computed, in (0, 1).
+            num_units: n, the sensitive units (documents, users) behind the teachers, or a lower
+                bound on it (every teacher holds at least one: the number of teachers); None
+                skips the check of the total δ against 1/n.
+            unit: what a unit is, for the message.
+            allow_large_delta: accept a total δ >= 1/n.
+
+        Raises:
+            ValueError: `delta` outside (0, 1), a total δ >= 1, or a total δ >= 1/n without
+                `allow_large_delta`.
+
+        Privacy: a total δ >= 1/n allows publishing one of the n units in the clear.
+        """
+        delta = privacy.check_delta(delta)
         eps = self.events.epsilon(delta) if self.events.entries else 0.0
         total = delta + self.extra_delta
         if total >= 1:
             raise ValueError(f"the accumulated δ ({total}) is >= 1: no guarantee.")
+        if num_units is not None:
+            privacy.check_delta_for_units(
+                total,
+                num_units,
+                unit=unit,
+                name="delta + per-call delta",
+                allow_large_delta=allow_large_delta,
+            )
         return privacy.PrivacyBudget(eps, total)
 
     def state_dict(self) -> dict:

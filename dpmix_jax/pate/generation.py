@@ -75,7 +75,10 @@ class GenerationConfig:
         max_new_tokens: length limit.
         eos_id: end-of-sequence token (None: none).
         stop_sequences: decoding stops once the output ends with one of these token sequences.
-        report_delta: the δ at which the run's ε is reported.
+        report_delta: the δ at which the run's ε is reported; with the per-call δ of every call
+            the run may make it must stay below 1/n for the n teachers (each holds at least one
+            sensitive unit), unless `allow_large_delta`; checked before any teacher is read.
+        allow_large_delta: accept a total δ >= 1/n.
         release_order: for confident-GNMax, the Rényi order λ at which the sequence's
             data-dependent ε is released privately by smooth sensitivity (None: not released);
             fix it, and `release_noise_multiplier`, before looking at the data.
@@ -99,6 +102,7 @@ class GenerationConfig:
     eos_id: int | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     report_delta: float = 1e-5
+    allow_large_delta: bool = False
     release_order: float | None = None
     release_noise_multiplier: float = 1.0
     release_beta: float | None = None
@@ -167,7 +171,9 @@ class GenerationResult:
         gnmax: for confident-GNMax, both PATE 2018 analyses of this sequence's queries
             (the data-dependent one is not itself private).
         released: with `release_order`, the sequence's data-dependent ε released privately
-            (smooth sensitivity; its `epsilon` is publishable and includes its own cost).
+            (smooth sensitivity; its `epsilon` is publishable and includes its own cost). Its
+            noise derives from the caller's key in a seeded run and is a new secret otherwise;
+            its `seeded` is the run's.
         seeded: True when the caller gave the key (reproducible by anyone who knows it, so not
             private against them: `privacy.SEEDED_NOTE`); False for a secret key drawn here.
     """
@@ -248,23 +254,23 @@ def prepare_sampler(config: GenerationConfig, logits: jax.Array) -> samplers.Dra
 
 
 def generate(
-    key: jax.Array | None,
     teachers: Teachers,
     prompt: Sequence[int],
     config: GenerationConfig,
     *,
+    key: jax.Array | None = None,
     public_model: PublicModel | None = None,
     ledger: accounting.PateLedger | None = None,
 ) -> GenerationResult:
     """Decodes one sequence privately from the teacher ensemble.
 
     Args:
-        key: PRNG key of the sampler and the aggregator noise; None draws a secret one from
-            the operating system. A key from a known seed makes the output reproducible and not
-            private against anyone who knows the seed. Never log it.
         teachers: the ensemble (`Teachers` protocol).
         prompt: the public prefix shared by all teachers (may be empty).
         config: decoding and privacy settings.
+        key: PRNG key of the sampler and the aggregator noise; None (default) draws a secret one
+            from the operating system for every call. A key from a known seed makes the output
+            reproducible and not private against anyone who knows the seed. Never log it.
         public_model: optional public fallback for failed steps (free).
         ledger: a ledger to append to (e.g. across several sequences); a new one by default.
 
@@ -282,6 +288,14 @@ def generate(
     key = key if seeded else randomness.prng_key(randomness.secret_seed())
     step = make_step(config)
     event, call_delta = config.charge()
+    most_calls = config.max_new_tokens * (config.max_retries + 1)
+    privacy.check_delta_for_units(
+        config.report_delta + ledger.extra_delta + most_calls * call_delta,
+        teachers.num_teachers,
+        unit="teachers (each holds at least one sensitive unit)",
+        name="the run's total δ (report_delta plus the per-call δ of every possible call)",
+        allow_large_delta=config.allow_large_delta,
+    )
     prefix = [int(t) for t in prompt]
     tokens: list[int] = []
     sources: list[str] = []
@@ -331,7 +345,10 @@ def generate(
             delta=config.report_delta,
         )
     if histograms and config.release_order is not None:
-        words = np.asarray(jax.random.bits(jax.random.fold_in(key, 1), (4,), jnp.uint32))
+        release_seed = None  # a secret run's release noise: a new secret from the OS
+        if seeded:
+            words = np.asarray(jax.random.bits(jax.random.fold_in(key, 1), (4,), jnp.uint32))
+            release_seed = sum(int(w) << (32 * i) for i, w in enumerate(words))
         released = smooth_sensitivity.release_data_dependent_epsilon(
             np.stack(histograms),
             np.array(answered),
@@ -342,7 +359,7 @@ def generate(
             noise_multiplier=config.release_noise_multiplier,
             beta=config.release_beta,
             delta=config.report_delta,
-            seed=sum(int(w) << (32 * i) for i, w in enumerate(words)),  # from the run's key
+            seed=release_seed,
         )
     budget = ledger.budget(config.report_delta)
     return GenerationResult(

@@ -104,7 +104,8 @@ def from_user_documents(
 ) -> DomainTextTask:
     """A task from a sensitive corpus: its users are split into train, val and test by `seed`.
 
-    Privacy: the split is a seeded permutation of users (data-independent), so the test users'
+    Privacy: each user's split is a keyed hash of their name alone (`UserDocuments.split_by_user`),
+    so adding or removing a user moves no other user between splits, and the test users'
     documents never reach a training stage.
     """
     if len(split_fractions) != 3:

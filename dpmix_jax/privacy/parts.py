@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -55,6 +55,15 @@ def _id_bytes(unit_id: UnitId, index: int) -> bytes:
     )
 
 
+def _id_list(unit_ids: Iterable[UnitId] | np.ndarray) -> Sequence[UnitId]:
+    if isinstance(unit_ids, str | bytes) or not isinstance(unit_ids, Iterable):
+        raise ValueError(
+            f"unit_ids must be an iterable of ids (a list, an array, a generator), got "
+            f"{type(unit_ids).__name__} {unit_ids!r:.80}."
+        )
+    return unit_ids if isinstance(unit_ids, Sequence | np.ndarray) else list(unit_ids)
+
+
 def check_fractions(fractions: Sequence[float]) -> np.ndarray:
     """The fractions as an array: at least one, each in (0, 1], summing to 1."""
     values = np.asarray(fractions, dtype=np.float64) if len(fractions) else np.zeros(0)
@@ -68,7 +77,7 @@ def check_fractions(fractions: Sequence[float]) -> np.ndarray:
 
 
 def assign_parts(
-    unit_ids: Sequence[UnitId] | np.ndarray,
+    unit_ids: Iterable[UnitId] | np.ndarray,
     fractions: Sequence[float],
     *,
     key: bytes | int | None = None,
@@ -77,7 +86,8 @@ def assign_parts(
 
     Args:
         unit_ids: one stable identifier per unit (row id, user id, record index in the source
-            data set; not a position after filtering or shuffling). Equal ids get equal parts,
+            data set; not a position after filtering or shuffling), as any iterable (a list,
+            an array, a generator); the parts come in its order. Equal ids get equal parts,
             so passing each example's user id gives a user-disjoint partition of examples.
         fractions: the expected share of each part; positive, summing to 1.
         key: the hash key (bytes, or an integer seed for a reproducible partition). None draws
@@ -88,7 +98,8 @@ def assign_parts(
         `(len(unit_ids),)` int64 part indices.
 
     Raises:
-        ValueError: on bad fractions, a bad key, or an id that is not an int, str or bytes.
+        ValueError: on bad fractions, a bad key, `unit_ids` that is not an iterable of ids (a
+            single str or bytes included), or an id that is not an int, str or bytes.
 
     Privacy: a unit's part depends on its own id and the key only, never on the other units:
     adding or removing a unit leaves every other unit's part unchanged, so stages run on
@@ -97,16 +108,17 @@ def assign_parts(
     """
     cumulative = np.cumsum(check_fractions(fractions))
     hash_key = _key_bytes(secret_key() if key is None else key)
+    ids = _id_list(unit_ids)
     draws = np.fromiter(
         (
             int.from_bytes(
                 hashlib.blake2b(_id_bytes(u, i), key=hash_key, digest_size=8).digest(), "big"
             )
             / 2.0**64
-            for i, u in enumerate(unit_ids)
+            for i, u in enumerate(ids)
         ),
         dtype=np.float64,
-        count=len(unit_ids),
+        count=len(ids),
     )
     parts = np.searchsorted(cumulative, draws, side="right")
     return np.minimum(parts, len(cumulative) - 1).astype(np.int64)

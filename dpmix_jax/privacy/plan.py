@@ -42,6 +42,9 @@ class DpSgdConfig:
         accountant: "pld" (default) or "rdp".
         max_examples_per_user: G for user-level runs (None for example level).
         pad_multiple: sampler padding multiple.
+        allow_large_delta: accept δ >= 1/n (n units in the run), which `plan_dp_sgd` refuses
+            by default because such a δ allows publishing a unit in the clear; a plan and the
+            results built from this config carry the setting.
     """
 
     epsilon: float | None
@@ -53,6 +56,7 @@ class DpSgdConfig:
     accountant: accounting.Accountant = "pld"
     max_examples_per_user: int | None = None
     pad_multiple: int = 32
+    allow_large_delta: bool = False
 
     def __post_init__(self) -> None:
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -70,6 +74,10 @@ class DpSgdConfig:
         accounting.check_positive(self.batch_size, "batch_size")
         accounting.check_steps(self.steps)
         accounting.make_accountant(self.accountant)
+        if not isinstance(self.allow_large_delta, bool):
+            raise ValueError(
+                f"allow_large_delta must be True or False, got {self.allow_large_delta!r}."
+            )
         if self.max_examples_per_user is not None and (
             not isinstance(self.max_examples_per_user, numbers.Integral)
             or self.max_examples_per_user < 1
@@ -136,14 +144,18 @@ def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
         ValueError: when b >= n: the Poisson rate would be 1 (every unit in every batch), which
             loses the amplification by sampling and makes the normaliser the data set's size.
             Only the no-noise control (σ = 0, ε = inf: no privacy claimed) may run full batches.
+            Also when δ >= 1/n, unless `config.allow_large_delta`.
 
     Privacy: `num_units` is the size of the sensitive set; under add/remove DP it is itself
     sensitive, and the guarantee holds for the σ calibrated here at the rate used by the sampler.
     """
     if not isinstance(num_units, numbers.Integral) or num_units < 1:
         raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}.")
+    unit = "users" if config.user_level else "examples"
+    accounting.check_delta_for_units(
+        config.delta, int(num_units), unit=unit, allow_large_delta=config.allow_large_delta
+    )
     if config.batch_size >= num_units and config.noise_multiplier != 0:
-        unit = "users" if config.user_level else "examples"
         raise ValueError(
             f"batch_size {config.batch_size:g} >= {num_units} {unit}: the Poisson rate would be "
             f"1 (no amplification); lower batch_size below the number of {unit}."
