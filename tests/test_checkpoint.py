@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -171,3 +173,59 @@ def test_non_finite_parameters_stop_training_naming_the_step(tmp_path):
     with pytest.raises(ValueError, match=r"non-finite parameters at step 4 \(finite at step 3\)"):
         engine.fit(trainer, DATA, rng=np.random.default_rng(7), checkpointer=Checkpointer(tmp_path))
     assert Checkpointer(tmp_path).latest_step() == 2  # the non-finite state was not saved
+
+
+def test_checkpoints_are_owner_only_and_only_the_newest_is_kept(tmp_path):
+    # Two kept checkpoints of consecutive steps give that step's noise exactly.
+    directory = tmp_path / "ck"
+    engine.fit(
+        new_trainer(),
+        DATA,
+        rng=np.random.default_rng(7),
+        checkpointer=Checkpointer(directory),
+        until=5,
+    )
+    assert sorted(p.name for p in directory.iterdir()) == ["5"]
+    paths = [directory, *directory.rglob("*")]
+    loose = [p for p in paths if p.stat().st_mode & 0o777 != (0o700 if p.is_dir() else 0o600)]
+    assert len(paths) > 10 and loose == []
+
+
+def test_a_result_saved_without_a_sampler_restores_none(tmp_path):
+    trainer = new_trainer()
+    params = trainer.init_state().params
+    ledger = PrivacyLedger()
+    ledger.record(dpsgd_event(noise_multiplier=1.0, sampling_rate=0.1, steps=1), count=6)
+    checkpointer = Checkpointer(tmp_path / "final")
+    checkpointer.save(6, params, rng=None, ledger=ledger)
+    restored, rng, restored_ledger = Checkpointer(tmp_path / "final").restore(params)
+    assert rng is None and restored_ledger.state_dict() == ledger.state_dict()
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# A file-size limit makes every write past 16 kB fail as a full disk does (EFBIG, not ENOSPC).
+FULL_DISK = """
+import resource, signal, sys
+import numpy as np, jax.numpy as jnp
+from dpmix_jax.train import Checkpointer
+checkpointer = Checkpointer(sys.argv[1])
+state = {"a": jnp.asarray(np.random.default_rng(0).normal(size=(200, 200)), jnp.float32)}
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16_000, resource.RLIM_INFINITY))
+try:
+    checkpointer.save(1, state, rng=np.random.default_rng(0))
+except OSError as error:
+    print(error)
+"""
+
+
+def test_a_write_error_during_a_save_is_one_line_naming_the_folder(tmp_path):
+    folder = tmp_path / "ck"
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(folder)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"cannot write the checkpoint of step 1 to {folder} (")
+    assert "File too large" in done.stdout and done.stdout.count("\n") == 1
+    assert "Traceback" not in done.stderr  # Orbax's writer threads log none either

@@ -50,3 +50,27 @@ def test_the_lock_is_reentrant_within_a_process_and_released_after(tmp_path):
         text=True,
     )
     assert probe.returncode == 0 and probe.stdout.strip() == "locked"
+
+
+def test_private_folders_and_files_are_owner_only_even_over_a_readable_file(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        path = tmp_path / "store" / "seed0" / "split.json"
+        path.parent.mkdir(parents=True)
+        path.write_text("old")  # 0644 under this umask
+        folders.write_private(path, '{"mix": [1]}')
+    finally:
+        os.umask(previous)
+    assert path.read_text() == '{"mix": [1]}'
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert sorted(p.name for p in path.parent.iterdir()) == ["split.json"]  # no temporary left
+    fresh = folders.private_folder(tmp_path / "a" / "b")
+    assert [oct(p.stat().st_mode & 0o777) for p in (fresh, fresh.parent)] == ["0o700"] * 2
+
+
+def test_a_file_that_cannot_be_written_is_one_line_naming_it(tmp_path):
+    (tmp_path / "split.json.tmp").mkdir()  # in the way of the temporary file
+    (tmp_path / "split.json.tmp" / "x").write_text("")
+    with pytest.raises(OSError, match=f"cannot write {tmp_path / 'split.json'}"):
+        folders.write_private(tmp_path / "split.json", "{}")

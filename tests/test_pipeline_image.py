@@ -286,3 +286,14 @@ def test_one_output_folder_holds_one_data_set(task, tmp_path):
     with pytest.raises(ValueError, match="holds the results of 'digits'"):
         compare("other digits")
     assert json.loads((tmp_path / "results.json").read_text())["dataset"] == "digits"
+
+
+def test_a_delta_of_one_over_a_stages_units_is_refused_before_any_training(task, tmp_path):
+    pipeline = ImagePipeline(task, tiny_config(delta=0.05), tmp_path / "refused")
+    with pytest.raises(ValueError, match=r"delta = 0.05 >= 1/n = .* units in D_mix"):
+        pipeline.run("uniform", 1.0, seed=0)
+    assert not [p for p in (tmp_path / "refused").rglob("*") if "proxy" in p.name]
+    config = tiny_config(delta=0.05, allow_large_delta=True)
+    allowed = ImagePipeline(task, config, tmp_path / "allowed").run("random_init", 1.0, seed=0)
+    assert allowed.allow_large_delta and allowed.to_json()["allow_large_delta"] is True
+    assert common.RunResult.from_json(allowed.to_json()) == allowed

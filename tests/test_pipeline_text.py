@@ -272,3 +272,26 @@ def test_paper_presets_build_and_name_missing_inputs(configs, tmp_path):
     argv = ["--preset", "paper", "--out", str(tmp_path / "o"), "--data-root", str(tmp_path)]
     with pytest.raises(SystemExit, match="missing input paths"):
         enron_experiment.cli(configs, argv)
+
+
+def test_stored_stages_are_keyed_by_the_documents_and_their_authors(task, tmp_path):
+    def folder(data):
+        return TextPipeline(data, tiny_config(), tmp_path).settings_folder()
+
+    train = task.train
+    edited = UserDocuments(
+        texts=(train.texts[0] + ".", *train.texts[1:]), user_ids=train.user_ids, users=train.users
+    )
+    regrouped = UserDocuments(
+        texts=train.texts, user_ids=np.roll(train.user_ids, 1), users=train.users
+    )
+    domain = task.source_names[0]
+    public = {**task.public_domains, domain: [*task.public_domains[domain][1:], "x"]}
+    variants = [
+        dataclasses.replace(task, train=edited),
+        dataclasses.replace(task, train=regrouped),
+        dataclasses.replace(task, public_domains=public),
+    ]
+    original = folder(task)
+    assert folder(dataclasses.replace(task)) == original
+    assert len({original, *map(folder, variants)}) == 4

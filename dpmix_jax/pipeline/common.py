@@ -4,9 +4,18 @@ A pipeline run is one (method, ε, seed) of one experiment. Its stages (split, p
 pretraining, fine-tuning, evaluation) store their results under a run directory; a rerun finds
 them there and skips the work, so a killed pipeline resumes where it stopped and reports the same
 budget (training stages resume mid-run from their orbax checkpoints, see `train.checkpoint`).
+
 Stored stages are keyed by everything that determines them: they live under
-`root/<fingerprint of data set, full config, seed mode and package version>/seed<N>/` and are
-named by stage, method and exact ε, so other settings never read them back.
+`root/<fingerprint of the data's content, full config, seed mode and code>/seed<N>/` and are named
+by stage, composition, method and exact ε, so other settings, other data (one changed label) or
+other code (one changed line of the package) never read them back. The folder name is keyed by
+`root/store_key` (owner-only), so it says nothing about the data to whoever can list `root`.
+
+Everything under a settings folder is owner-only (folders 0700, files 0600): the split, the run's
+secret, the proxy outputs and the running checkpoints reveal sensitive data, sampling or noise.
+Every stage JSON holds the SHA-256 of its result; a file that does not match (edited, truncated)
+is refused with one line naming it, never reused. A finished fine-tuning stage keeps only its
+parameters and ledger (`final/`); its running checkpoints (noise key, sampler) are deleted.
 """
 
 from __future__ import annotations
@@ -15,20 +24,25 @@ import abc
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
+import hmac
 import json
 import os
 import pathlib
+import secrets
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
 import jax
 import numpy as np
 
+import dpmix_jax
 from dpmix_jax import parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
+from dpmix_jax.pipeline import folders
 from dpmix_jax.privacy import accounting, assign_parts, randomness
-from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, fit
+from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
+from dpmix_jax.train.checkpoint import json_checksum
 
 Method = Literal["dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin"]
 METHODS: tuple[Method, ...] = (
@@ -117,6 +131,8 @@ class RunResult:
             (`privacy.SEEDED_NOTE`). False: the randomness was a secret from the operating
             system and `seed` only numbers the repetition.
         extra: method-specific details (validation scores of candidates, σ, ...).
+        allow_large_delta: True when the run accepted a δ >= 1/n for some private stage's n
+            units (the user's explicit override; such a δ protects nobody).
     """
 
     method: str
@@ -131,6 +147,7 @@ class RunResult:
     private: bool
     seeded: bool
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    allow_large_delta: bool = False
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RunResult:
@@ -151,6 +168,7 @@ class RunResult:
             private=data["private"],
             seeded=data.get("noise_seeded", True),  # results stored before secret randomness
             extra=data["extra"],
+            allow_large_delta=data.get("allow_large_delta", False),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -168,7 +186,14 @@ class RunResult:
             "private": self.private,
             "noise_seeded": self.seeded,
             "extra": dict(self.extra),
+            "allow_large_delta": self.allow_large_delta,
         }
+
+
+def check_allow_large_delta(value: Any) -> None:
+    """Refuses an `allow_large_delta` setting that is not exactly True or False."""
+    if not isinstance(value, bool):
+        raise ValueError(f"allow_large_delta must be True or False, got {value!r}.")
 
 
 def stage_epsilons(
@@ -285,41 +310,88 @@ def _canonical(value: Any) -> Any:
     raise TypeError(f"cannot fingerprint a {type(value).__name__} setting: {value!r}")
 
 
-def _package_version() -> str | None:
-    try:
-        return importlib.metadata.version("dpmix_jax")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+@functools.cache
+def code_fingerprint() -> str:
+    """SHA-256 (hex) of the package's source: every `.py` file under `dpmix_jax/`, by relative
+    path and bytes. Computed once per process; part of `MixturePipeline.settings`, so a stage
+    stored by other code is never read back (the version number does not change with a fix)."""
+    package = pathlib.Path(dpmix_jax.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        content = path.read_bytes()
+        digest.update(f"{path.relative_to(package).as_posix()}/{len(content)}/".encode())
+        digest.update(content)
+    return digest.hexdigest()
 
 
 class StageStore:
-    """JSON results of pipeline stages under one directory; computed once, then read back."""
+    """JSON results of pipeline stages under one owner-only directory; computed once, then read
+    back after checking them.
+
+    Each `NAME.json` is the result with one more key, `"sha256"`: the checksum of the rest as
+    JSON with sorted keys (`train.checkpoint.json_checksum`).
+
+    Privacy: the results include the split and proxy outputs on sensitive rows; every folder is
+    0700 and every file 0600.
+    """
 
     def __init__(self, root: str | os.PathLike):
-        self.root = pathlib.Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = folders.private_folder(root)
 
     def path(self, *parts: str) -> pathlib.Path:
-        """A sub-directory for a stage's own files (checkpoints), created if needed."""
-        path = self.root.joinpath(*parts)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        """An owner-only sub-directory for a stage's own files (checkpoints), created if needed."""
+        return folders.private_folder(self.root.joinpath(*parts))
 
-    def json(self, name: str, compute: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
-        """The stored result `name`, or `compute()` written atomically and returned."""
+    def json(
+        self,
+        name: str,
+        compute: Callable[[], Mapping[str, Any]],
+        check: Callable[[Mapping[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """The stored result `name`, or `compute()` written atomically and returned.
+
+        Args:
+            name: the stage's file name, without `.json`.
+            compute: what computes the result when none is stored.
+            check: raises a ValueError (without the path) for a result that is not valid.
+
+        Raises:
+            ValueError: the stored file cannot be read, does not match its checksum, or fails
+                `check`: one line naming it and saying to delete it to recompute.
+            OSError: the result cannot be written (`folders.write_private`).
+        """
         target = self.root / f"{name}.json"
         if parallel.agree(target.exists()):  # one decision for all processes of a run
-            return json.loads(target.read_text())
-        result = dict(compute())
+            return self._read(target, check)
+        result = json.loads(json.dumps(dict(compute()), default=_json_default))
+        content = {**result, "sha256": json_checksum(result)}
+        parallel.on_main_process(  # a multi-process run: process 0 writes, all wait
+            lambda: folders.write_private(target, json.dumps(content, indent=1))
+        )
+        return self._read(target, check)
 
-        def write():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(result, indent=1, default=_json_default))
-            tmp.replace(target)
+    @staticmethod
+    def _read(
+        target: pathlib.Path, check: Callable[[Mapping[str, Any]], None] | None
+    ) -> dict[str, Any]:
+        def refuse(problem: str) -> ValueError:
+            return ValueError(f"stage file {target} {problem}; delete it to recompute the stage")
 
-        parallel.on_main_process(write)  # a multi-process run: process 0 writes, all wait
-        return json.loads(target.read_text())
+        try:
+            content = json.loads(target.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise refuse(f"cannot be read ({err})") from err
+        if not isinstance(content, dict):
+            raise refuse("is not a stage result")
+        expected = content.pop("sha256", None)
+        if json_checksum(content) != expected:
+            raise refuse("does not match its checksum (edited or damaged)")
+        if check is not None:
+            try:
+                check(content)
+            except (KeyError, TypeError, ValueError) as err:
+                raise refuse(f"is not valid ({err})") from err
+        return content
 
 
 def use_compilation_cache(directory: str | os.PathLike) -> None:
@@ -451,10 +523,27 @@ class MixturePipeline(abc.ABC):
     def utility(self, model: Any, split: str) -> float:
         """The metric on the "val" or "test" split (evaluation only, not released)."""
 
+    @abc.abstractmethod
+    def data_digest(self) -> str:
+        """SHA-256 (hex) of the data's content: every row of every split and the public data,
+        with what groups them into units. One changed label changes it.
+
+        Privacy: a deterministic function of the sensitive data; it is stored only in the
+        owner-only `settings.json` and enters folder names only keyed (`settings_fingerprint`).
+        """
+
+    @functools.cached_property
+    def _content_digest(self) -> str:
+        return self.data_digest()
+
     def dataset_identity(self) -> dict[str, Any]:
-        """What identifies the data: the task's name, k and every split's size (subclasses may
-        add more). Part of `settings_fingerprint`."""
-        identity: dict[str, Any] = {"pipeline": type(self).__name__, "k": self.k}
+        """What identifies the data: the task's name, k, every split's size and the digest of
+        the content (`data_digest`). Part of `settings_fingerprint`."""
+        identity: dict[str, Any] = {
+            "pipeline": type(self).__name__,
+            "k": self.k,
+            "content": self._content_digest,
+        }
         for attribute in ("name", "source_names"):
             identity[attribute] = getattr(self.task, attribute, None)
         for split in ("train", "val", "test", "public"):
@@ -465,49 +554,68 @@ class MixturePipeline(abc.ABC):
             identity["public_domain_sizes"] = {name: len(docs) for name, docs in domains.items()}
         return identity
 
-    def settings(self) -> dict[str, Any]:
-        """Everything besides (method, ε, seed) that determines a stored stage: the data set's
-        identity, the full config, whether the randomness is seeded, and the package version.
-
-        The composition is left out: every stage that depends on it has it in its name, so the
-        stages that do not (tokenizer, proxies, pretraining) are shared by both compositions.
-        """
+    def _config_settings(self) -> dict[str, Any]:
+        """The full config without the composition: every stage that depends on the
+        composition has it in its name, so the stages that do not (tokenizer, proxies,
+        pretraining) are shared by both compositions."""
         config = _canonical(self.config)
         config.pop("composition")
+        return config
+
+    def settings(self) -> dict[str, Any]:
+        """Everything besides (method, ε, seed) that determines a stored stage: the data set's
+        identity (content included), the full config, whether the randomness is seeded, and the
+        code (`code_fingerprint`)."""
         return {
             "dataset": self.dataset_identity(),
-            "config": config,
+            "config": self._config_settings(),
             "reproducible": self.reproducible,
-            "version": _package_version(),
+            "code": code_fingerprint(),
         }
 
     @functools.cached_property
     def settings_fingerprint(self) -> str:
-        """A SHA-256 (hex) of `settings()`: names the folder of this pipeline's stage store."""
-        return fingerprint(self.settings())
+        """HMAC-SHA-256 (hex) of `settings()` under the store's key (`root/store_key`): names
+        the folder of this pipeline's stage store.
+
+        Privacy: the settings hold a digest of the sensitive data, which anyone could test
+        candidate data sets against; keyed, the name reveals nothing without the owner-only key.
+        """
+        return hmac.new(
+            self._store_key(), canonical_json(self.settings()).encode(), "sha256"
+        ).hexdigest()
+
+    def _store_key(self) -> bytes:
+        """The stage store's 256-bit key, drawn once and kept owner-only at `root/store_key`."""
+        if not self.root.exists():
+            folders.private_folder(self.root)
+        path = self.root / "store_key"
+        if not parallel.agree(path.exists()):
+            parallel.on_main_process(lambda: folders.write_private(path, secrets.token_hex(32)))
+        try:
+            return bytes.fromhex(path.read_text().strip())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(
+                f"{path} is not a store key ({err}); delete it (every stage under {self.root} "
+                "is then recomputed)"
+            ) from err
 
     def settings_folder(self) -> pathlib.Path:
         """`root/<settings fingerprint>/`: where everything stored under these settings lives,
-        described by the `settings.json` in it."""
+        described by the `settings.json` in it (owner-only)."""
         folder = self.root / self.settings_fingerprint[:16]
         description = folder / "settings.json"
         if not parallel.agree(description.exists()):
-
-            def write():
-                folder.mkdir(parents=True, exist_ok=True)
-                tmp = description.with_suffix(".json.tmp")
-                tmp.write_text(canonical_json(self.settings(), indent=1))
-                tmp.replace(description)
-
-            parallel.on_main_process(write)
+            text = canonical_json(self.settings(), indent=1)
+            parallel.on_main_process(lambda: folders.write_private(description, text))
         return folder
 
     def _store(self, seed: int) -> StageStore:
         """The stage store of run `seed` under these settings: `settings_folder()/seed<seed>`.
 
-        Its stages are named by stage, method and exact ε, so a stored result is only ever read
-        back by a run with the same data set, config (δ included), seed mode and package
-        version; other settings get a folder of their own.
+        Its stages are named by stage, composition, method and exact ε, so a stored result is
+        only ever read back by a run with the same data, config (δ included), seed mode and
+        code; other settings get a folder of their own.
         """
         return StageStore(self.settings_folder() / f"seed{seed}")
 
@@ -515,16 +623,26 @@ class MixturePipeline(abc.ABC):
         """The folder of run `seed`'s stored stages (see `_store`)."""
         return self._store(seed).root
 
+    @functools.cached_property
+    def config_key(self) -> str:
+        """A fingerprint of the full config (composition aside), for the names of noise streams:
+        with `reproducible`, two configs run with one seed must not share noise either."""
+        return fingerprint(self._config_settings())
+
     def private_seed(self, seed: int, *names: object) -> int:
         """The seed of one named private random stream (split key, noise key, Poisson sampler)
         of run `seed`.
 
-        With `reproducible` it is `derived_seed(seed, *names)`. Otherwise it derives (128 bits)
-        from the run's secret, drawn once from the operating system and kept in the stage store
-        as `secret_randomness.json` (owner-only), so a resumed run continues its own streams.
+        `names` must name everything that defines the stream's stage, so that no two stages
+        share noise: noisy stages pass their stage name (composition, exact ε, initialisation)
+        and `config_key`. With `reproducible` it is `derived_seed(seed, *names)`. Otherwise it
+        derives (128 bits) from the run's secret, drawn once from the operating system and kept
+        in the stage store (of these settings) as `secret_randomness.json` (owner-only), so a
+        resumed run continues its own streams.
 
         Privacy: the secret file is as sensitive as the data (with it the noise can be
-        recomputed); it is never logged or copied into results.
+        recomputed); it is never logged or copied into results. The streams never depend on the
+        data's content: the split key must not move a unit when another one is added.
         """
         if self.reproducible:
             return derived_seed(seed, *names)
@@ -532,18 +650,20 @@ class MixturePipeline(abc.ABC):
         secret = ""
         if parallel.is_main_process():
             if not path.exists():
-                tmp = path.with_suffix(".tmp")
-                tmp.unlink(missing_ok=True)
                 content = {
                     "secret": f"{randomness.secret_seed():032x}",
                     "note": "SENSITIVE: the root of this run's noise, sampling and split; never "
                     "share.",
                 }
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(content, f)
-                tmp.replace(path)
-            secret = json.loads(path.read_text())["secret"]
+                folders.write_private(path, json.dumps(content))
+            try:
+                secret = json.loads(path.read_text())["secret"]
+                int(secret, 16)
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+                raise ValueError(
+                    f"{path} is not a run secret ({err}); delete the folder {path.parent} to "
+                    "recompute the run"
+                ) from err
         # A multi-process run: every process derives its streams from process 0's secret.
         secret = f"{parallel.agree_int(int(secret or '0', 16)):032x}"
         text = "/".join(str(n) for n in (secret, *names))
@@ -570,8 +690,44 @@ class MixturePipeline(abc.ABC):
             )
             return {"mix": mix, "ft": ft}
 
-        stored = self._store(seed).json("split", compute)
+        stored = self._store(seed).json("split", compute, check=self._check_split)
         return np.asarray(stored["mix"], np.int64), np.asarray(stored["ft"], np.int64)
+
+    def check_delta(self, seed: int) -> None:
+        """Refuses δ >= 1/n for the n units of either private stage, before any work.
+
+        D_mix (DP-MixMin) and D_ft (fine-tuning) each count their own units, the level's unit
+        (examples, or users); Uniform, Random Init and non-private MixMin fine-tune on the whole
+        train split, which is larger. `allow_large_delta` lets such a δ through.
+
+        Privacy: an (ε, δ) guarantee with δ >= 1/n allows publishing one unit in the clear.
+        """
+        unit_ids = np.asarray(self.split_unit_ids())
+        for part, rows in zip(("D_mix", "D_ft"), self.split(seed), strict=True):
+            accounting.check_delta_for_units(
+                self.config.delta,
+                len(np.unique(unit_ids[rows])),
+                unit=f"units in {part}",
+                name="delta",
+                allow_large_delta=self.config.allow_large_delta,
+            )
+
+    def _check_split(self, stored: Mapping[str, Any]) -> None:
+        """Raises a ValueError unless `stored` holds two disjoint sets of train positions.
+
+        Privacy: the parallel composition of the two stages needs D_mix ∩ D_ft = ∅.
+        """
+        n = len(self.task.train)
+        parts = {}
+        for part in ("mix", "ft"):
+            rows = np.asarray(stored[part])
+            if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer) or len(rows) == 0:
+                raise ValueError(f"D_{part} is not a non-empty list of row positions")
+            if rows.min() < 0 or rows.max() >= n or len(np.unique(rows)) != len(rows):
+                raise ValueError(f"D_{part} holds positions outside [0, {n}) or repeats")
+            parts[part] = rows
+        if shared := len(np.intersect1d(parts["mix"], parts["ft"])):
+            raise ValueError(f"D_mix and D_ft share {shared} rows; they must be disjoint")
 
     def finetune(
         self, init: Any, init_name: str, part: str, epsilon: float, seed: int
@@ -580,30 +736,68 @@ class MixturePipeline(abc.ABC):
 
         Privacy: DP-SGD at (ε, δ) on the chosen part (`finetune_trainer`); the returned budget is
         the ledger's for the steps executed (restored, not re-spent, on resume). The noise key is
-        distinct for every (init, part, ε), a private stream of the run (`private_seed`).
+        distinct for every (init, part, composition, ε), a private stream of the run
+        (`private_seed`). While it runs, the stage folder holds one owner-only checkpoint
+        (`checkpoints/`, with the noise key and sampler, to resume); once finished, only the
+        parameters and the ledger (`final/`), and a rerun reads them back.
         """
         _, ft = self.split(seed)
         rows = ft if part == "ft" else np.arange(len(self.task.train))
         part = f"{part}_{self.config.composition}" if part == "ft" else part
-        config = dataclasses.replace(self.config.finetune, epsilon=epsilon, delta=self.config.delta)
+        config = dataclasses.replace(
+            self.config.finetune,
+            epsilon=epsilon,
+            delta=self.config.delta,
+            allow_large_delta=self.config.allow_large_delta,
+        )
         name = f"finetune_{init_name}_{part}_eps{epsilon_name(epsilon)}"
-        checkpointer = Checkpointer(self._store(seed).path(name))
-        if checkpointer.latest_step() != config.steps:
-            self._on_stage("finetune")
-        noise_key = randomness.prng_key(self.private_seed(seed, name))
+        folder = self._store(seed).path(name)
+        noise_key = randomness.prng_key(self.private_seed(seed, name, self.config_key))
         trainer, data = self.finetune_trainer(init, config, rows, noise_key)
-        rng = np.random.default_rng(self.private_seed(seed, name, "sampler"))
-        result = fit(trainer, data, rng=rng, checkpointer=checkpointer, on_step=self._on_step)
+        running, final = folder / "checkpoints", folder / "final"
+        if not self._has_checkpoint(final):  # `final/` appears only once it is complete
+            self._on_stage("finetune")
+            checkpointer = Checkpointer(running)
+            rng = np.random.default_rng(self.private_seed(seed, name, self.config_key, "sampler"))
+            result = fit(trainer, data, rng=rng, checkpointer=checkpointer, on_step=self._on_step)
+            checkpointer.close()
+            partial = folder / "final.partial"
+            parallel.on_main_process(lambda: shutil.rmtree(partial, ignore_errors=True))
+            saver = Checkpointer(partial)
+            saver.save(config.steps, result.state.params, rng=None, ledger=result.ledger)
+            saver.close()
+            parallel.on_main_process(lambda: partial.rename(final))
+        parallel.on_main_process(lambda: shutil.rmtree(running, ignore_errors=True))
+        template = trainer.init_state()
+        reader = Checkpointer(final)
+        params, _, ledger = reader.restore(template.params)
+        reader.close()
+        model = trainer.model(TrainState(template.step, params, template.opt_state))
+        return model, ledger.budget(self.config.delta, config.accountant)
+
+    @staticmethod
+    def _has_checkpoint(folder: pathlib.Path) -> bool:
+        """Whether `folder` holds a committed checkpoint; an emptied one (its damaged checkpoint
+        deleted, as the error asked) is removed so that the stage is recomputed."""
+        if not parallel.agree(folder.is_dir()):
+            return False
+        checkpointer = Checkpointer(folder)
+        found = checkpointer.latest_step() is not None
         checkpointer.close()
-        return result.model, result.ledger.budget(self.config.delta, config.accountant)
+        if not found:
+            parallel.on_main_process(lambda: shutil.rmtree(folder, ignore_errors=True))
+        return found
 
     def mixture(self, epsilon: float, seed: int) -> tuple[np.ndarray, accounting.PrivacyBudget]:
         """λ by DP-MixMin on D_mix at (ε, δ), and the budget its accountant reports.
 
         Privacy: reads D_mix only through `dp_mixmin` (Poisson-sampled examples, or users with up
         to G examples each, clipped, Gaussian noise), accounted for the rate, σ and steps it ran.
+        Its noise and sampling are the private stream of the stage's full name (composition and
+        exact ε), shared with no other stage.
         """
         settings = self.config.mixture
+        name = f"mixture_{self.config.composition}_eps{epsilon_name(epsilon)}"
 
         def compute():
             inputs = self.mixture_inputs(seed)
@@ -618,10 +812,11 @@ class MixturePipeline(abc.ABC):
                 batch_size=settings.batch_size,
                 clip_norm=settings.clip_norm,
                 learning_rate=settings.learning_rate,
-                seed=self.private_seed(seed, "mixture", f"{epsilon:g}"),
+                seed=self.private_seed(seed, name, self.config_key),
                 solver=settings.solver,
                 shift=settings.shift,
                 accountant=settings.accountant,
+                allow_large_delta=self.config.allow_large_delta,
             )
             return {
                 "weights": result.weights,
@@ -632,7 +827,6 @@ class MixturePipeline(abc.ABC):
                 "ledger": result.ledger.state_dict(),
             }
 
-        name = f"mixture_{self.config.composition}_eps{epsilon_name(epsilon)}"
         stored = self._store(seed).json(name, compute)
         return np.asarray(stored["weights"]), budget_from_json(stored["spent"])
 
@@ -661,6 +855,7 @@ class MixturePipeline(abc.ABC):
         accounting.check_epsilon(epsilon)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
+        self.check_delta(seed)
         name = f"run_{method}_{self.config.composition}_eps{epsilon_name(epsilon)}"
         computed = False
 
@@ -709,6 +904,7 @@ class MixturePipeline(abc.ABC):
             composition=composition,
             private=method != "nonprivate_mixmin",
             seeded=self.reproducible,
+            allow_large_delta=self.config.allow_large_delta,
         )
 
     def _random_search(self, epsilon: float, seed: int) -> RunResult:
@@ -737,6 +933,7 @@ class MixturePipeline(abc.ABC):
             composition=self.config.composition,
             private=False,
             seeded=self.reproducible,
+            allow_large_delta=self.config.allow_large_delta,
             extra={
                 "validation_utilities": [s[0] for s in scored],
                 "selected_validation_utility": val_utility,

@@ -1,4 +1,6 @@
-"""One writer per output folder: an advisory lock on `DIR/.lock` that names its holder.
+"""One writer per output folder, and owner-only folders and files for what is private.
+
+`folder_lock(DIR)`: an advisory lock on `DIR/.lock` that names its holder.
 
 Two runs writing the same stage files and checkpoints would overwrite each other's work (one
 of them dies on a rename, or worse, reads a half-written stage). `folder_lock(DIR)` takes an
@@ -7,6 +9,10 @@ same folder stops at once with "DIR is in use by process N". The operating syste
 lock when its process ends, so a crashed run leaves no stale lock behind. Within one process the
 lock is re-entrant (a comparison locks its output folder and its stage store, which may be the
 same folder).
+
+`private_folder(DIR)` and `write_private(PATH, text)` create folders 0700 and files 0600 (never
+readable by other local users, not even for a moment), for the stage store's splits, secrets,
+checkpoints and results.
 """
 
 from __future__ import annotations
@@ -74,3 +80,41 @@ def _acquire(folder: pathlib.Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def private_folder(folder: str | os.PathLike) -> pathlib.Path:
+    """`folder` created if needed and made owner-only (0700); missing parents are created
+    owner-only too, existing ones are left as they are."""
+    folder = pathlib.Path(folder)
+    previous = os.umask(0o077)
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    finally:
+        os.umask(previous)
+    folder.chmod(0o700)
+    return folder
+
+
+def write_private(path: str | os.PathLike, text: str) -> None:
+    """Writes `text` to `path` atomically (a temporary file renamed over it), owner-only (0600)
+    in an owner-only folder.
+
+    Raises:
+        OSError: the file cannot be written (a full disk, a read-only folder): one line naming it.
+    """
+    path = pathlib.Path(path)
+    private_folder(path.parent)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        tmp.replace(path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise OSError(
+            f"cannot write {path} ({err.strerror or err}); free disk space or give a writable "
+            "folder, then rerun"
+        ) from err

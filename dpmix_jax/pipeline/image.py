@@ -105,7 +105,9 @@ class ImagePipelineConfig:
     """Public settings of the shared-input pipeline.
 
     Attributes:
-        delta: δ of each private stage.
+        delta: δ of each private stage; below 1/n for the n units of each private stage
+            (checked before any work) unless `allow_large_delta`.
+        allow_large_delta: accept δ >= 1/n; every result of the run records it.
         mix_fraction: ρ, the fraction of the sensitive train split given to the mixture stage.
         composition: "parallel" (disjoint D_mix, D_ft: max) or "sequential" (no split; sum).
         sequential_mixture_share: with sequential composition, the mixture stage's share of ε.
@@ -120,6 +122,7 @@ class ImagePipelineConfig:
     """
 
     delta: float = 1e-5
+    allow_large_delta: bool = False
     mix_fraction: float = 0.1
     composition: common.Composition = "parallel"
     sequential_mixture_share: float = 0.1
@@ -134,6 +137,7 @@ class ImagePipelineConfig:
 
     def __post_init__(self) -> None:
         accounting.check_delta(self.delta)
+        common.check_allow_large_delta(self.allow_large_delta)
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
         common.stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
@@ -185,6 +189,22 @@ class ImagePipeline(common.MixturePipeline):
     @property
     def k(self) -> int:
         return self.task.k
+
+    def data_digest(self) -> str:
+        """SHA-256 (hex) of every row of the public pool and the three sensitive splits
+        (`row_digests`), their patient and user ids, and the task's label index.
+
+        Privacy: a digest of sensitive rows, kept owner-only (see `common.MixturePipeline`).
+        """
+        digest = hashlib.sha256(f"task_index/{self.task.task_index}".encode())
+        for split in ("public", "train", "val", "test"):
+            source = getattr(self.task, split)
+            digest.update(f"/{split}/{len(source)}/".encode())
+            for row in row_digests(source):
+                digest.update(row)
+            ids = {"group_ids": source.group_ids, "user_ids": source.user_ids}
+            digest.update(common.canonical_json(ids).encode())
+        return digest.hexdigest()
 
     # ------------------------------------------------------------------ stages
     def split_unit_ids(self) -> np.ndarray | list[bytes]:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -122,7 +123,9 @@ class TextPipelineConfig:
     """Public settings of the text pipeline.
 
     Attributes:
-        delta: δ of each private stage.
+        delta: δ of each private stage; below 1/n for the n units of each private stage
+            (checked before any work) unless `allow_large_delta`.
+        allow_large_delta: accept δ >= 1/n; every result of the run records it.
         level: "user" (a user's documents are one unit) or "example" (a document is one unit).
         mix_fraction: ρ, the fraction of the train users (documents) given to the mixture stage.
         composition: "parallel" (disjoint D_mix, D_ft: max) or "sequential" (no split; sum).
@@ -146,6 +149,7 @@ class TextPipelineConfig:
     """
 
     delta: float = 1e-5
+    allow_large_delta: bool = False
     level: Level = "user"
     mix_fraction: float = 0.3
     composition: common.Composition = "parallel"
@@ -165,6 +169,7 @@ class TextPipelineConfig:
 
     def __post_init__(self) -> None:
         accounting.check_delta(self.delta)
+        common.check_allow_large_delta(self.allow_large_delta)
         if self.level not in ("user", "example"):
             raise ValueError(f"level must be 'user' or 'example', got {self.level!r}.")
         if not 0 < self.mix_fraction < 1:
@@ -289,6 +294,7 @@ class TextPipeline(common.MixturePipeline):
             public = (doc for docs in self.task.public_domains.values() for doc in docs)
             trained = train_bpe_tokenizer(public, vocab_size=self.config.vocab_size)
             trained.save(path.with_suffix(".tmp")).replace(path)
+            path.chmod(0o600)
         return TextTokenizer.from_file(path)
 
     @functools.cached_property
@@ -323,6 +329,29 @@ class TextPipeline(common.MixturePipeline):
             group_ids=np.asarray(documents.user_ids)[rows],
         )
         return packed.tokens, packed.mask, packed.group_ids
+
+    def data_digest(self) -> str:
+        """SHA-256 (hex) of every public domain's documents and every sensitive split's
+        documents with their authors.
+
+        Privacy: a digest of sensitive documents, kept owner-only (see `common.MixturePipeline`).
+        """
+        digest = hashlib.sha256()
+
+        def add(texts: Sequence[str]) -> None:
+            digest.update(f"{len(texts)}/".encode())
+            for text in texts:
+                digest.update(hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest())
+
+        for domain, documents in self.task.public_domains.items():
+            add([domain])
+            add(list(documents))
+        for split in ("train", "val", "test"):
+            documents = getattr(self.task, split)
+            add([split])
+            add(documents.texts)
+            add([documents.users[u] for u in documents.user_ids])
+        return digest.hexdigest()
 
     # ------------------------------------------------------------------ stages
     def split_unit_ids(self) -> list[str]:

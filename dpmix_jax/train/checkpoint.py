@@ -9,28 +9,39 @@ A checkpoint at step t holds:
 
 **A private run's checkpoint is sensitive**: with the noise key and the sampler state, the noise
 of every step can be recomputed and subtracted. Store it like the sensitive data itself and never
-publish it; publish only the trained parameters.
+publish it; publish only the trained parameters. Every folder a `Checkpointer` writes is
+owner-only (0700, its files 0600), and by default it keeps only the newest checkpoint: two
+checkpoints of consecutive steps give that step's noise exactly. A finished private run can keep
+its parameters and ledger without the sampler (`save(..., rng=None)` of the parameters alone) and
+delete its running checkpoints.
 
 Saves are atomic (Orbax writes to a temporary directory and renames it on commit), so a run killed
-during a save resumes from the previous complete checkpoint. Every checkpoint also holds
+during a save resumes from the previous complete checkpoint; a save that cannot write (a full
+disk) raises one OSError naming the folder. Every checkpoint also holds
 `checksums` (JSON): the SHA-256 of every saved array (its dtype, shape and bytes) and of `meta`.
 `restore` recomputes them and refuses, naming the file, a checkpoint whose arrays or metadata
 changed or whose files are missing, truncated or unreadable: a damaged checkpoint is an error,
 never a run that resumes from garbage.
 
 API:
-    Checkpointer(directory, *, max_to_keep=2)
+    Checkpointer(directory, *, max_to_keep=1)
         .save(step, state, *, rng, ledger=None)
         .latest_step() -> int | None
-        .restore(template, step=None) -> (state, rng, ledger | None)
+        .restore(template, step=None) -> (state, rng | None, ledger | None)
         .close()
+    json_checksum(value) -> str                       SHA-256 of a JSON value (sorted keys)
+    owner_only(path)                                  chmod a tree to 0700 folders, 0600 files
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
+import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -49,49 +60,77 @@ class Checkpointer:
     """Saves and restores `(state, sampler rng, ledger)` under `directory`, one folder per step.
 
     Args:
-        directory: where checkpoints live (created if needed).
+        directory: where checkpoints live (created owner-only if needed).
         max_to_keep: how many recent checkpoints to keep (>= 1).
 
     Privacy: checkpoints of private runs hold the secret noise key and the sampler state; they are
-    as sensitive as the training data.
+    as sensitive as the training data. Everything under `directory` is owner-only, and with the
+    default `max_to_keep=1` no two steps' checkpoints stay side by side.
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 2):
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 1):
         if not isinstance(max_to_keep, int) or max_to_keep < 1:
             raise ValueError(f"max_to_keep must be an integer >= 1, got {max_to_keep!r}.")
         self.directory = pathlib.Path(directory).absolute()
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True
-            ),
-        )
+        with _owner_only_umask():
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    max_to_keep=max_to_keep, enable_async_checkpointing=False, create=True
+                ),
+            )
+        owner_only(self.directory)
 
     def save(
         self,
         step: int,
         state: PyTree,
         *,
-        rng: np.random.Generator,
+        rng: np.random.Generator | None,
         ledger: PrivacyLedger | None = None,
     ) -> None:
-        """Writes the checkpoint of `step` (atomically; replaces nothing already committed)."""
+        """Writes the checkpoint of `step` (atomically; replaces nothing already committed).
+
+        Args:
+            step: the step it is the state of.
+            state: the pytree to save.
+            rng: the batch sampler to resume, or None for a finished run's result (nothing left
+                to sample).
+            ledger: the privacy ledger of the steps taken (private runs).
+
+        Raises:
+            OSError: the checkpoint cannot be written (a full disk, a read-only folder): one
+                line naming the folder.
+
+        Privacy: a private run's state holds the secret noise key; the files are owner-only.
+        """
         meta = {
             "step": int(step),
-            "sampler": generator_state(rng),
+            "sampler": None if rng is None else generator_state(rng),
             "ledger": None if ledger is None else ledger.state_dict(),
         }
-        checksums = {"state": _array_checksums(state), "meta": _json_checksum(meta)}
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                meta=ocp.args.JsonSave(meta),
-                checksums=ocp.args.JsonSave(checksums),
-            ),
-            force=True,
-        )
-        self._manager.wait_until_finished()
+        checksums = {"state": _array_checksums(state), "meta": json_checksum(meta)}
+        try:
+            with _owner_only_umask(), _quiet_orbax_tracebacks():
+                self._manager.save(
+                    int(step),
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardSave(state),
+                        meta=ocp.args.JsonSave(meta),
+                        checksums=ocp.args.JsonSave(checksums),
+                    ),
+                    force=True,
+                )
+                self._manager.wait_until_finished()
+        except Exception as err:  # Orbax and TensorStore wrap OS errors in many types
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise OSError(
+                f"cannot write the checkpoint of step {step} to {self.directory} ({reason}); "
+                "free disk space or give a writable folder, then rerun to resume"
+            ) from err
+        finally:
+            owner_only(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None for an empty directory."""
@@ -111,7 +150,8 @@ class Checkpointer:
             ValueError: no such checkpoint, or one that fails its checksums or cannot be read
                 (the message names the file).
 
-        Privacy: the restored state contains the secret noise key (private runs).
+        Privacy: the restored state contains the secret noise key (private runs). The rng is
+        None for a checkpoint saved without one.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -122,10 +162,10 @@ class Checkpointer:
         checksums = _read_json(folder / "checksums" / "metadata")
         meta_file = folder / "meta" / "metadata"
         meta = _read_json(meta_file)
-        if _json_checksum(meta) != checksums.get("meta"):
+        if json_checksum(meta) != checksums.get("meta"):
             raise ValueError(
                 f"checkpoint file {meta_file} does not match its checksum: it is damaged; "
-                "delete the checkpoint to restart from the previous one"
+                "delete the checkpoint to restart without it"
             )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         try:
@@ -135,7 +175,7 @@ class Checkpointer:
         except Exception as err:  # Orbax and TensorStore raise many types for damaged files
             raise ValueError(
                 f"checkpoint arrays in {folder / 'state'} cannot be read ({type(err).__name__}: "
-                f"{err}); delete the checkpoint to restart from the previous one"
+                f"{err}); delete the checkpoint to restart without it"
             ) from err
         actual = _array_checksums(restored["state"])
         expected = checksums.get("state", {})
@@ -144,14 +184,58 @@ class Checkpointer:
             raise ValueError(
                 f"checkpoint arrays in {folder / 'state'} do not match their checksums "
                 f"({', '.join(damaged[:3])}); the files are damaged: delete the checkpoint to "
-                "restart from the previous one"
+                "restart without it"
             )
         ledger = None if meta["ledger"] is None else PrivacyLedger.from_state_dict(meta["ledger"])
-        return restored["state"], restore_generator(meta["sampler"]), ledger
+        rng = None if meta["sampler"] is None else restore_generator(meta["sampler"])
+        return restored["state"], rng, ledger
 
     def close(self) -> None:
         """Releases Orbax resources."""
         self._manager.close()
+
+
+def owner_only(path: str | pathlib.Path) -> None:
+    """Makes `path` and everything under it owner-only: folders 0700, files 0600.
+
+    Entries that vanish meanwhile are skipped (another process of a multi-process save may be
+    renaming its temporary files).
+    """
+    path = pathlib.Path(path)
+    entries = [(path, path.is_dir())]
+    for folder, names, files in os.walk(path):
+        entries += [(os.path.join(folder, name), True) for name in names]
+        entries += [(os.path.join(folder, name), False) for name in files]
+    for entry, is_folder in entries:
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(entry, 0o700 if is_folder else 0o600)
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    return record.exc_info is None
+
+
+@contextlib.contextmanager
+def _quiet_orbax_tracebacks() -> Iterator[None]:
+    """Drops the tracebacks Orbax's writer threads log for a failed write (dozens of lines per
+    thread): `save` raises the error itself, as one line."""
+    logger = logging.getLogger("absl")
+    logger.addFilter(_without_traceback)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_without_traceback)
+
+
+@contextlib.contextmanager
+def _owner_only_umask() -> Iterator[None]:
+    """Umask 077 for the block, so files are owner-only from the moment they exist (the
+    `owner_only` pass after a save also covers files written with explicit modes)."""
+    previous = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(previous)
 
 
 def _array_checksums(state: PyTree) -> dict[str, str]:
@@ -169,7 +253,8 @@ def _array_checksums(state: PyTree) -> dict[str, str]:
     return checksums
 
 
-def _json_checksum(value: Any) -> str:
+def json_checksum(value: Any) -> str:
+    """SHA-256 (hex) of `value` as JSON with sorted keys."""
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
@@ -179,10 +264,10 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
     except FileNotFoundError as err:
         raise ValueError(
             f"checkpoint file {path} is missing (a checkpoint written without checksums, or a "
-            "damaged one); delete the checkpoint to restart from the previous one"
+            "damaged one); delete the checkpoint to restart without it"
         ) from err
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(
             f"checkpoint file {path} cannot be read ({err}); delete the checkpoint to restart "
-            "from the previous one"
+            "without it"
         ) from err
