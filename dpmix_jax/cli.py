@@ -10,7 +10,9 @@ dpmix report [--add NAME=RUN_DIR ...] [--check]   (README tables from docs/resul
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterator
 
 EXPERIMENTS = {
     "quickstart": "DP-SGD on scikit-learn digits with the privacy core only",
@@ -47,10 +50,18 @@ _SHORTCUTS = {"audit": "audit", "bench": "bench_grads"}  # dpmix NAME ... = dpmi
 _MAX_SEED = 2**32 - 1
 # Set (to anything but 0) to see the traceback of an error that dpmix reports in one line.
 DEBUG_ENV = "DPMIX_DEBUG"
+INTERRUPTED = (
+    "interrupted; to resume, rerun the same command with the same --out: finished stages are reused"
+)
+INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+_MAX_MESSAGE = 400  # characters of an error message shown; the start names the file
 
 # The name an experiment's parser shows: `dpmix audit`, `dpmix run enron`, or (when the module
 # is run directly) `python -m experiments.enron`; set by `_run_experiment`.
 _experiment_prog: str | None = None
+# The locks that the experiment running under `experiment_main` holds until it ends (its --out
+# folder's, taken when its arguments are parsed); None outside `experiment_main`.
+_experiment_locks: contextlib.ExitStack | None = None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -110,6 +121,9 @@ class _ExperimentParser(argparse.ArgumentParser):
             _use_mesh(parsed)
         except ValueError as err:
             self.error(str(err))
+        out = getattr(parsed, "out", None)
+        if _experiment_locks is not None and out is not None:
+            _experiment_locks.enter_context(_output_lock(out))
         return parsed, extra
 
 
@@ -123,7 +137,7 @@ def experiment_parser(
         description: the first lines of the help.
         examples: command lines (arguments after the program name) shown in the epilog.
     """
-    prog = _experiment_prog or f"python -m experiments.{name}"
+    prog = _experiment_name(name)
     epilog = (
         "examples:\n" + "\n".join(f"  {prog} {e}".rstrip() for e in examples) if examples else None
     )
@@ -135,6 +149,28 @@ def experiment_parser(
     )
     _add_scale_arguments(parser)
     return parser
+
+
+def _experiment_name(name: str) -> str:
+    return _experiment_prog or f"python -m experiments.{name}"
+
+
+@contextlib.contextmanager
+def experiment_main(name: str) -> Iterator[None]:
+    """The context of `experiments.NAME`'s `__main__` block, as `with experiment_main("NAME"):`.
+
+    Run directly (`python -m experiments.NAME`) or through `dpmix`, the experiment reports bad
+    input and Ctrl-C in one line (`one_line_errors`), and holds the lock of its `--out` folder
+    from the moment its arguments are parsed, so that a second run on the folder stops before
+    loading any data.
+    """
+    global _experiment_locks
+    with one_line_errors(_experiment_name(name)), contextlib.ExitStack() as locks:
+        previous, _experiment_locks = _experiment_locks, locks
+        try:
+            yield
+        finally:
+            _experiment_locks = previous
 
 
 def add_reproducible_flag(parser: argparse.ArgumentParser, *, seeds: str) -> None:
@@ -179,20 +215,6 @@ def add_chest_xray_roots(parser: argparse.ArgumentParser, *, public: str | None)
         )
         + " in its published layout",
     )
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text}")
-    return value
 
 
 def _seed(text: str) -> int:
@@ -271,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--epsilons",
-        type=_positive_float,
+        type=float,
         nargs="+",
         default=[1.0, 2.0, 5.0],
         metavar="EPS",
@@ -279,10 +301,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--delta",
-        type=_probability,
+        type=float,
         default=1e-5,
         metavar="DELTA",
-        help="δ of every private stage and of the end-to-end guarantee",
+        help="δ of every private stage and of the end-to-end guarantee; must be below 1/n for "
+        "the n units of each private stage",
+    )
+    demo.add_argument(
+        "--allow-large-delta",
+        action="store_true",
+        help="accept a δ >= 1/n, which protects nobody (every result records the override)",
     )
     demo.add_argument(
         "--seeds",
@@ -392,38 +420,77 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from dpmix_jax.pipeline import METHODS, run_comparison
-    from dpmix_jax.pipeline.common import use_compilation_cache
+def _demo_config(dataset: str):
+    if dataset == "image":
+        from dpmix_jax.pipeline.presets import image_demo_config
 
-    methods = [m for m in METHODS if m in args.methods]
-    start = time.time()
+        return image_demo_config()
+    from dpmix_jax.pipeline.text_presets import text_demo_config
+
+    return text_demo_config()
+
+
+def _check_demo_arguments(args: argparse.Namespace) -> None:
+    """Refuses, before any work, a privacy setting the pipeline would refuse at its first
+    private stage: δ, and each stage's share of every ε against the calibration range."""
+    from dpmix_jax.pipeline.common import stage_epsilons
+    from dpmix_jax.privacy import accounting
+
+    accounting.check_delta(args.delta, "argument --delta")
+    config = _demo_config(args.dataset)
+    low, high = accounting.CALIBRATION_EPSILON_RANGE
+    for epsilon in args.epsilons:
+        accounting.check_epsilon(epsilon, "argument --epsilons")
+        stages = stage_epsilons(epsilon, config.composition, config.sequential_mixture_share)
+        if not all(low <= stage <= high for stage in stages):
+            raise ValueError(
+                f"argument --epsilons: {epsilon:g} gives the private stages ε = "
+                f"{', '.join(f'{stage:g}' for stage in stages)} ({config.composition} "
+                f"composition); each must be in [{low:g}, {high:g}]"
+            )
+
+
+def _output_lock(out: pathlib.Path) -> contextlib.AbstractContextManager:
+    """The lock of the output folder `out` (`folders.folder_lock`), held by process 0 of a
+    multi-process run; taken before the data and the proxies, a second run on the folder stops
+    at once."""
+    from dpmix_jax import parallel
+    from dpmix_jax.pipeline import folders
+
+    return folders.folder_lock(out) if parallel.is_main_process() else contextlib.nullcontext()
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dpmix_jax.pipeline import METHODS
+
     _use_mesh(args)
     _check_out_dir(args.out)
+    with _output_lock(args.out):
+        return _run_demo(args, [m for m in METHODS if m in args.methods])
+
+
+def _run_demo(args: argparse.Namespace, methods: list[str]) -> int:
+    from dpmix_jax.pipeline import run_comparison
+    from dpmix_jax.pipeline.common import use_compilation_cache
+
+    start = time.time()
     use_compilation_cache(args.out / "xla_cache")
+    config = dataclasses.replace(
+        _demo_config(args.dataset), delta=args.delta, allow_large_delta=args.allow_large_delta
+    )
     if args.dataset == "image":
         from dpmix_jax.pipeline.image import ImagePipeline
-        from dpmix_jax.pipeline.presets import digit_task, image_demo_config
+        from dpmix_jax.pipeline.presets import digit_task
 
         task = digit_task()
-        pipeline = ImagePipeline(
-            task,
-            dataclasses.replace(image_demo_config(), delta=args.delta),
-            args.out / "stages",
-            reproducible=args.reproducible,
-        )
+        pipeline = ImagePipeline(task, config, args.out / "stages", reproducible=args.reproducible)
         metric, higher = "test AUC", True
     else:
         from dpmix_jax.pipeline.text import TextPipeline
-        from dpmix_jax.pipeline.text_presets import text_demo_config, text_task
+        from dpmix_jax.pipeline.text_presets import text_task
 
         task = text_task()
-        pipeline = TextPipeline(
-            task,
-            dataclasses.replace(text_demo_config(), delta=args.delta),
-            args.out / "stages",
-            reproducible=args.reproducible,
-        )
+        pipeline = TextPipeline(task, config, args.out / "stages", reproducible=args.reproducible)
         metric, higher = "test perplexity", False
     results = run_comparison(
         pipeline,
@@ -514,9 +581,7 @@ def _report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line `argv` (default: `sys.argv[1:]`); returns the exit status.
 
-    Bad input (a `ValueError` from the library, a file that cannot be read or written) ends
-    with one line `dpmix: error: ...` on stderr and exit status 2, without a traceback; set
-    the environment variable DPMIX_DEBUG=1 to see the traceback instead.
+    Bad input and Ctrl-C end with one line on stderr and no traceback (see `one_line_errors`).
     """
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
@@ -524,25 +589,88 @@ def main(argv: list[str] | None = None) -> int:
         args.args = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "demo":
+        try:
+            _check_demo_arguments(args)
+        except ValueError as err:
+            parser.error(str(err))
     try:
-        return _command(args)
-    except (ValueError, OSError) as err:
-        if os.environ.get(DEBUG_ENV, "0") != "0":
-            raise
-        print(f"{parser.prog}: error: {_one_line(err)}", file=sys.stderr)
-        raise SystemExit(2) from None
+        with one_line_errors(parser.prog):
+            return _command(args)
     finally:
         from dpmix_jax import parallel
 
         parallel.set_active_mesh(None)  # the mesh belongs to this command only
 
 
-def _one_line(err: Exception) -> str:
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """What bad input raises: a `ValueError` from the library, a file that cannot be read or
+    written, a document nested too deep to parse, an image too large to decode."""
+    from PIL import Image
+
+    return ValueError, OSError, RecursionError, Image.DecompressionBombError
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str) -> Iterator[None]:
+    """Ends bad input and Ctrl-C inside the block with one line on stderr, without a traceback.
+
+    Bad input (`_input_errors`) prints `PROG: error: ...` and exits with status 2; Ctrl-C prints
+    `PROG: interrupted; ...` (how to resume) and exits with status 130. Set the environment
+    variable DPMIX_DEBUG=1 to see the traceback instead.
+
+    A Ctrl-C that lands in a callback Python cannot raise from (JAX's garbage-collection
+    callback) is delivered again to the main thread rather than only printed and ignored.
+    """
+    previous_hook = sys.unraisablehook
+
+    def redeliver_interrupt(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _thread.start_new_thread(_interrupt_main_soon, ())
+        else:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = redeliver_interrupt
+    debug = os.environ.get(DEBUG_ENV, "0") != "0"
+    try:
+        yield
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{prog}: {INTERRUPTED}", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_STATUS) from None
+    except _input_errors() as err:
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        sys.unraisablehook = previous_hook
+
+
+def _interrupt_main_soon() -> None:
+    # Raised at once, the interrupt would land in the hook that is still running and be
+    # ignored again; a moment later it lands in the main thread's code.
+    time.sleep(0.01)
+    _thread.interrupt_main()
+
+
+def _one_line(err: BaseException) -> str:
     if isinstance(err, OSError) and err.filename is not None:
         text = f"{err.strerror or err}: {err.filename}; check the path and its permissions"
+    elif isinstance(err, RecursionError):
+        text = f"input nested too deeply to read ({err})"
     else:
         text = str(err) or type(err).__name__
-    return " ".join(text.split())
+    # Readers may quote raw bytes of a corrupt file: show them escaped, and not too many.
+    text = " ".join("".join(map(_printable, text)).split())
+    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 1] + "…"
+
+
+def _printable(char: str) -> str:
+    if char.isprintable() or char.isspace():
+        return char
+    return repr(char)[1:-1]
 
 
 def _command(args: argparse.Namespace) -> int:

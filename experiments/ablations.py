@@ -11,7 +11,12 @@ import pathlib
 
 import numpy as np
 
-from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import (
+    add_chest_xray_roots,
+    add_reproducible_flag,
+    experiment_main,
+    experiment_parser,
+)
 from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.ablations import AblationConfig, get_config
@@ -91,27 +96,28 @@ def main(
 
 
 if __name__ == "__main__":
-    parser = experiment_parser("ablations", __doc__.splitlines()[0], examples=("--preset cpu",))
-    parser.add_argument(
-        "--preset",
-        choices=("cpu", "paper"),
-        default="cpu",
-        help="cpu: the digit tasks (offline); paper: NIH with CheXpert as public data",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/ablations"),
-        metavar="DIR",
-        help="output folder: ablations.json, ablations.md, stages/",
-    )
-    add_chest_xray_roots(parser, public="chexpert")
-    add_reproducible_flag(parser, seeds="the config's seeds")
-    args = parser.parse_args()
-    main(
-        get_config(args.preset),
-        args.out,
-        reproducible=args.reproducible,
-        nih_root=args.nih_root,
-        public_root=args.public_root,
-    )
+    with experiment_main("ablations"):
+        parser = experiment_parser("ablations", __doc__.splitlines()[0], examples=("--preset cpu",))
+        parser.add_argument(
+            "--preset",
+            choices=("cpu", "paper"),
+            default="cpu",
+            help="cpu: the digit tasks (offline); paper: NIH with CheXpert as public data",
+        )
+        parser.add_argument(
+            "--out",
+            type=pathlib.Path,
+            default=pathlib.Path("runs/ablations"),
+            metavar="DIR",
+            help="output folder: ablations.json, ablations.md, stages/",
+        )
+        add_chest_xray_roots(parser, public="chexpert")
+        add_reproducible_flag(parser, seeds="the config's seeds")
+        args = parser.parse_args()
+        main(
+            get_config(args.preset),
+            args.out,
+            reproducible=args.reproducible,
+            nih_root=args.nih_root,
+            public_root=args.public_root,
+        )

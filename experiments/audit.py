@@ -45,7 +45,7 @@ import optax
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
-from dpmix_jax.cli import experiment_parser
+from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import dp_mixmin, mixmin, per_example_grads, prepare_examples
 from dpmix_jax.mixing.solvers import run_mirror_descent
 from dpmix_jax.privacy import audit, clipping, noise, plan, sampling
@@ -769,31 +769,33 @@ def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
 
 
 if __name__ == "__main__":
-    parser = experiment_parser(
-        "audit", __doc__.splitlines()[0], examples=("--preset cpu", "--preset cpu --out DIR")
-    )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "paper"),
-        help="cpu: a CPU-sized audit (experiments/configs/audit.py); paper: the paper's settings",
-    )
-    parser.add_argument(
-        "--out",
-        default="runs/audit",
-        metavar="DIR",
-        help="output folder: results.md, results.json, results.png",
-    )
-    parser.add_argument(
-        "--known-batches",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="share the other units' batches across trials (default: the preset's choice)",
-    )
-    args = parser.parse_args()
-    chosen = get_config(args.preset)
-    if args.known_batches is not None:
-        chosen = dataclasses.replace(chosen, known_batches=args.known_batches)
-    outcome = main(chosen, args.out)
-    print((pathlib.Path(args.out) / "results.md").read_text())
-    print(f"violations: {outcome['violations']}")
+    with experiment_main("audit"):
+        parser = experiment_parser(
+            "audit", __doc__.splitlines()[0], examples=("--preset cpu", "--preset cpu --out DIR")
+        )
+        parser.add_argument(
+            "--preset",
+            default="cpu",
+            choices=("cpu", "paper"),
+            help="cpu: a CPU-sized audit (experiments/configs/audit.py); paper: the paper's "
+            "settings",
+        )
+        parser.add_argument(
+            "--out",
+            default="runs/audit",
+            metavar="DIR",
+            help="output folder: results.md, results.json, results.png",
+        )
+        parser.add_argument(
+            "--known-batches",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="share the other units' batches across trials (default: the preset's choice)",
+        )
+        args = parser.parse_args()
+        chosen = get_config(args.preset)
+        if args.known_batches is not None:
+            chosen = dataclasses.replace(chosen, known_batches=args.known_batches)
+        outcome = main(chosen, args.out)
+        print((pathlib.Path(args.out) / "results.md").read_text())
+        print(f"violations: {outcome['violations']}")

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpmix_jax.cli import experiment_parser
+from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
 from dpmix_jax.pate import samplers
@@ -621,4 +621,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with experiment_main("bench_grads"):
+        main(sys.argv[1:])

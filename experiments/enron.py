@@ -15,7 +15,7 @@ import pathlib
 import time
 from types import ModuleType
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pipeline import run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.text import (
@@ -145,4 +145,5 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    cli(configs)
+    with experiment_main("enron"):
+        cli(configs)

@@ -20,7 +20,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.cli import (  # noqa: E402
+    add_chest_xray_roots,
+    add_reproducible_flag,
+    experiment_main,
+    experiment_parser,
+)
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
 from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
 from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
@@ -312,4 +317,5 @@ def cli() -> None:
 
 
 if __name__ == "__main__":
-    cli()
+    with experiment_main("gsd"):
+        cli()

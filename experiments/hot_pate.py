@@ -41,7 +41,7 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
@@ -691,7 +691,7 @@ def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:
                 key, sub = jax.random.split(key)
                 results.append(
                     generation.generate(
-                        sub, teachers, [], run, public_model=public_model, ledger=ledger
+                        teachers, [], run, public_model=public_model, ledger=ledger, key=sub
                     )
                 )
             seconds = time.perf_counter() - start
@@ -1072,33 +1072,34 @@ def main(
 
 
 if __name__ == "__main__":
-    parser = experiment_parser(
-        "hot_pate",
-        __doc__.splitlines()[0],
-        examples=("--preset cpu", "--preset cpu --parts natural,generation", "--preset tiny"),
-    )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "paper", "tiny"),
-        help="cpu: n = 512 teachers on the embedded text (a few minutes); tiny: seconds, for "
-        "tests; paper: the paper's sizes",
-    )
-    parser.add_argument(
-        "--out",
-        default="runs/hot_pate",
-        metavar="DIR",
-        help="output folder for the tables, JSON, plots and stages/ (the public model)",
-    )
-    parser.add_argument(
-        "--parts",
-        default=",".join(PARTS),
-        metavar="LIST",
-        help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
-    )
-    add_reproducible_flag(parser, seeds="the config's seed")
-    args = parser.parse_args()
-    chosen = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-    if not chosen or set(chosen) - set(PARTS):
-        parser.error(f"--parts must list some of {','.join(PARTS)}, got {args.parts!r}")
-    main(get_config(args.preset), args.out, reproducible=args.reproducible, parts=chosen)
+    with experiment_main("hot_pate"):
+        parser = experiment_parser(
+            "hot_pate",
+            __doc__.splitlines()[0],
+            examples=("--preset cpu", "--preset cpu --parts natural,generation", "--preset tiny"),
+        )
+        parser.add_argument(
+            "--preset",
+            default="cpu",
+            choices=("cpu", "paper", "tiny"),
+            help="cpu: n = 512 teachers on the embedded text (a few minutes); tiny: seconds, for "
+            "tests; paper: the paper's sizes",
+        )
+        parser.add_argument(
+            "--out",
+            default="runs/hot_pate",
+            metavar="DIR",
+            help="output folder for the tables, JSON, plots and stages/ (the public model)",
+        )
+        parser.add_argument(
+            "--parts",
+            default=",".join(PARTS),
+            metavar="LIST",
+            help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
+        )
+        add_reproducible_flag(parser, seeds="the config's seed")
+        args = parser.parse_args()
+        chosen = tuple(p.strip() for p in args.parts.split(",") if p.strip())
+        if not chosen or set(chosen) - set(PARTS):
+            parser.error(f"--parts must list some of {','.join(PARTS)}, got {args.parts!r}")
+        main(get_config(args.preset), args.out, reproducible=args.reproducible, parts=chosen)

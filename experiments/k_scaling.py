@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.data import builtin  # noqa: E402
 from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
@@ -206,7 +206,8 @@ def _require_tfds(data_dir: str | None) -> None:
             tfds_sources.open_data_source(name, split, data_dir=data_dir)
         except ValueError as err:
             raise ValueError(
-                f"{err} (ImageNet-2012 needs its manual download) or run --preset cpu"
+                f"{err} (ImageNet-2012 needs its manual download: add --manual_dir DIR) or "
+                "run --preset cpu"
             ) from err
 
 
@@ -768,4 +769,5 @@ def cli(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    cli()
+    with experiment_main("k_scaling"):
+        cli()

@@ -1,7 +1,9 @@
 """NIH ChestX-ray14 with MIMIC-CXR as public data. Command and expected numbers:
 `experiments/configs/nih.py`."""
 
+from dpmix_jax.cli import experiment_main
 from experiments.cxr import cli
 
 if __name__ == "__main__":
-    cli("mimic")
+    with experiment_main("nih_mimic"):
+        cli("mimic")

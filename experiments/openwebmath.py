@@ -6,10 +6,12 @@
 
 from __future__ import annotations
 
+from dpmix_jax.cli import experiment_main
 from experiments.configs import openwebmath as configs
 from experiments.enron import cli, main
 
 __all__ = ["main"]
 
 if __name__ == "__main__":
-    cli(configs)
+    with experiment_main("openwebmath"):
+        cli(configs)

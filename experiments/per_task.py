@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import (
+    add_chest_xray_roots,
+    add_reproducible_flag,
+    experiment_main,
+    experiment_parser,
+)
 from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.mixing import cosine_similarity
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
@@ -519,40 +524,41 @@ def main(
 
 
 if __name__ == "__main__":
-    parser = experiment_parser(
-        "per_task",
-        "Per-task relative AUC gains of DP-MixMin, Uniform and Random Search over Random "
-        "Initialisation at one ε, tasks grouped by prevalence, and the rare-label task's λ.",
-        examples=(
-            "--preset cpu --reproducible",
-            "--preset paper --nih-root data/nih --public-root data/chexpert",
-            "--preset paper_mimic --nih-root data/nih --public-root data/mimic",
-        ),
-    )
-    parser.add_argument(
-        "--preset",
-        choices=("cpu", "paper", "paper_mimic"),
-        default="cpu",
-        help="cpu: the multi-task digits default (offline); paper / paper_mimic: the 14 NIH "
-        "findings with CheXpert / MIMIC-CXR as public data",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/per_task"),
-        metavar="DIR",
-        help="output folder: results.md, results.json, per_task_gains.png, task<i>/",
-    )
-    add_chest_xray_roots(parser, public=None)
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_reproducible_flag(parser, seeds="the config's seeds")
-    args = parser.parse_args()
-    config = get_config(args.preset)
-    main(
-        config,
-        args.out,
-        reproducible=args.reproducible,
-        progress=not args.quiet,
-        nih_root=args.nih_root,
-        public_root=args.public_root or pathlib.Path(f"data/{config.data}"),
-    )
+    with experiment_main("per_task"):
+        parser = experiment_parser(
+            "per_task",
+            "Per-task relative AUC gains of DP-MixMin, Uniform and Random Search over Random "
+            "Initialisation at one ε, tasks grouped by prevalence, and the rare-label task's λ.",
+            examples=(
+                "--preset cpu --reproducible",
+                "--preset paper --nih-root data/nih --public-root data/chexpert",
+                "--preset paper_mimic --nih-root data/nih --public-root data/mimic",
+            ),
+        )
+        parser.add_argument(
+            "--preset",
+            choices=("cpu", "paper", "paper_mimic"),
+            default="cpu",
+            help="cpu: the multi-task digits default (offline); paper / paper_mimic: the 14 NIH "
+            "findings with CheXpert / MIMIC-CXR as public data",
+        )
+        parser.add_argument(
+            "--out",
+            type=pathlib.Path,
+            default=pathlib.Path("runs/per_task"),
+            metavar="DIR",
+            help="output folder: results.md, results.json, per_task_gains.png, task<i>/",
+        )
+        add_chest_xray_roots(parser, public=None)
+        parser.add_argument("--quiet", action="store_true", help="no progress bars")
+        add_reproducible_flag(parser, seeds="the config's seeds")
+        args = parser.parse_args()
+        config = get_config(args.preset)
+        main(
+            config,
+            args.out,
+            reproducible=args.reproducible,
+            progress=not args.quiet,
+            nih_root=args.nih_root,
+            public_root=args.public_root or pathlib.Path(f"data/{config.data}"),
+        )

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from sklearn.datasets import load_digits
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_parser
+from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.privacy import (
     SEEDED_NOTE,
     DpSgdConfig,
@@ -89,4 +89,5 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    with experiment_main("quickstart"):
+        main()

@@ -22,7 +22,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser  # noqa: E402
+from dpmix_jax.cli import (  # noqa: E402
+    add_chest_xray_roots,
+    add_reproducible_flag,
+    experiment_main,
+    experiment_parser,
+)
 from dpmix_jax.mixing import cosine_similarity, dp_mixmin  # noqa: E402
 from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
 from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
@@ -445,4 +450,5 @@ def cli(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    cli()
+    with experiment_main("small_eps"):
+        cli()

@@ -374,7 +374,7 @@ def test_generation_names_the_teacher_with_all_minus_inf_logits():
 
     with pytest.raises(ValueError, match="teacher 1 has no finite logit"):
         generation.generate(
-            jax.random.key(0), Teachers(), [0], generation.GenerationConfig(max_new_tokens=2)
+            Teachers(), [0], generation.GenerationConfig(max_new_tokens=2), key=jax.random.key(0)
         )
 
 

@@ -155,7 +155,7 @@ def test_demo_delta_must_be_a_probability(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", f"--delta={value}"])
     assert exit_info.value.code == 2
-    assert "must be a number in (0, 1)" in capsys.readouterr().err
+    assert "argument --delta must be in the open interval (0, 1)" in capsys.readouterr().err
 
 
 def test_demo_text_writes_to_its_own_default_folder(monkeypatch, tmp_path):
@@ -213,3 +213,23 @@ def test_demo_seeds_private_randomness_only_with_reproducible(flags, seeded, tmp
     monkeypatch.setattr(dpmix_jax.pipeline, "run_comparison", fake_comparison)
     assert cli.main(["demo", "--quiet", "--out", str(tmp_path), *flags]) == 0
     assert seen == [seeded]
+
+
+def test_demo_delta_of_one_over_n_is_refused_unless_allowed(monkeypatch, tmp_path, capsys):
+    from dpmix_jax import pipeline
+
+    seen = {}
+
+    def fake_comparison(stages, **kwargs):
+        seen["allow"] = stages.config.allow_large_delta
+        stages.check_delta(0)
+        (kwargs["out_dir"] / "results.md").write_text("")
+        return {"runs": []}
+
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--delta", "0.5", "--out", str(tmp_path / "a")])
+    assert exit_info.value.code == 2
+    assert "delta = 0.5 >= 1/n" in capsys.readouterr().err and seen["allow"] is False
+    args = ["demo", "--delta", "0.5", "--allow-large-delta", "--out", str(tmp_path / "b")]
+    assert cli.main(args) == 0 and seen["allow"] is True

@@ -4,7 +4,8 @@
 `{"image": float32 (H, W, C) in [0, 1], "label": int32 ()}`. Images of another size (ImageNet)
 are resized (shorter side to the target, then a centre crop) with Pillow. The data must already be
 prepared in `data_dir` (tfds downloads nothing here: `open_data_source` stops with one line naming
-a data set that is not there); tests use `tfds.testing.mock_data`.
+a data set that is not there and the `tfds build` command that prepares it); tests use
+`tfds.testing.mock_data`.
 
 API:
     open_data_source(name, split, *, data_dir=None)
@@ -36,7 +37,10 @@ def open_data_source(name: str, split: str, *, data_dir: str | None = None) -> S
     except Exception as err:  # tfds reports data it cannot open with several exception types
         where = data_dir or "the default tfds folder"
         if not _is_prepared(name, data_dir):
-            message = f"is not prepared in {where}: prepare it there first"
+            build = f"tfds build {name} --file_format array_record"
+            if data_dir:
+                build += f" --data_dir {data_dir}"
+            message = f"is not prepared in {where}: prepare it there first with `{build}`"
         else:  # tfds' own reason (e.g. TFRecord files: random access needs array_record)
             reason = next(iter(str(err).strip().splitlines()), "") or type(err).__name__
             message = f"in {where} cannot be opened for random access: {reason.rstrip(':')}"

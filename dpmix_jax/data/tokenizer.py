@@ -53,12 +53,31 @@ class TextTokenizer:
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (no special tokens added)."""
-        return self._backend.encode(text).ids
+        """Token ids of `text` (no special tokens added).
+
+        Raises:
+            ValueError: `text` is not valid Unicode (a lone surrogate).
+        """
+        try:
+            return self._backend.encode(text).ids
+        except TypeError:  # what `tokenizers` raises for a string it cannot read
+            _check_text(text, 0)
+            raise
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text (parallel inside `tokenizers`)."""
-        return [enc.ids for enc in self._backend.encode_batch(list(texts))]
+        """Token ids of each text (parallel inside `tokenizers`).
+
+        Raises:
+            ValueError: naming the first text that is not valid Unicode (a lone surrogate).
+        """
+        texts = list(texts)
+        try:
+            encodings = self._backend.encode_batch(texts)
+        except TypeError:
+            for index, text in enumerate(texts):
+                _check_text(text, index)
+            raise
+        return [enc.ids for enc in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` (special tokens kept, so decode(encode(t)) == t)."""
@@ -74,6 +93,26 @@ class TextTokenizer:
     def from_file(cls, path: str | Path, eos_token: str = EOS_TOKEN) -> TextTokenizer:
         """Reads a tokenizer written by `save`."""
         return cls(Tokenizer.from_file(str(path)), eos_token)
+
+
+def _check_text(text: str, index: int) -> str:
+    """Returns `text` unless it is a string with a lone surrogate, which cannot be tokenized.
+
+    A lone surrogate (U+D800 to U+DFFF, e.g. from the JSON escape `"\\ud800"`) has no UTF-8
+    encoding, so byte-level BPE cannot read it.
+
+    Raises:
+        ValueError: naming the text's `index` and the surrogate's position.
+    """
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ValueError(
+                f"text {index} holds the lone surrogate U+{ord(text[err.start]):04X} at "
+                f"character {err.start}, which is not valid Unicode; fix or drop that document"
+            ) from None
+    return text
 
 
 def _sha256(path: Path) -> str:
@@ -138,7 +177,7 @@ def train_bpe_tokenizer(
         raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
     backend = ByteLevelBPETokenizer()
     backend.train_from_iterator(
-        iter(texts),
+        (_check_text(text, index) for index, text in enumerate(texts)),
         vocab_size=vocab_size,
         min_frequency=min_frequency,
         show_progress=False,
