@@ -74,10 +74,23 @@ def test_group_disjoint_split_never_shares_a_group():
     for a in range(3):
         for b in range(a + 1, 3):
             assert not group_sets[a] & group_sets[b]
-    n_groups = len(np.unique(groups))
-    assert [len(s) for s in group_sets] == [28, 8, 4] == [round(0.7 * n_groups), 8, 4]
     again = sources.group_disjoint_split(groups, (0.7, 0.2, 0.1), seed=0)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+
+
+def test_adding_a_group_moves_no_other_group_and_sizes_follow_the_fractions():
+    groups = np.repeat(np.arange(1000), 2)
+
+    def part_of_each_group(ids):
+        parts = sources.group_disjoint_split(ids, (0.7, 0.2, 0.1), seed=3)
+        return {int(g): k for k, part in enumerate(parts) for g in ids[part]}
+
+    before = part_of_each_group(groups)
+    after = part_of_each_group(np.concatenate([groups, [1000, 1000, 1000]]))
+    assert all(after[g] == k for g, k in before.items())
+    counts = np.bincount(list(before.values()), minlength=3)
+    assert np.all(np.abs(counts - np.array([700, 200, 100])) < 4 * np.sqrt(1000 * 0.25))
+    assert len(sources.group_disjoint_split(groups, (0.5, 0.0, 0.5), seed=0)[1]) == 0
 
 
 def test_group_index_sample_caps_and_stays_within_group():

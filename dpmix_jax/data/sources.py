@@ -29,6 +29,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from dpmix_jax.privacy.parts import assign_parts
+
 PAD_INDEX = -1
 
 
@@ -220,30 +222,29 @@ def group_disjoint_split(
 ) -> tuple[np.ndarray, ...]:
     """Splits examples so that every group (user, patient) falls in exactly one part.
 
-    The distinct groups are shuffled with `seed` and cut by the given fractions of the number of
-    groups; each part holds all examples of its groups.
+    Each group's part is a keyed hash of its id (`privacy.assign_parts`), so part sizes match
+    the fractions in expectation, and adding or removing a group moves no other group.
 
     Args:
-        group_ids: integer group of each example, shape (n,).
+        group_ids: the group (user, patient) id of each example, shape (n,): ints or strings.
         fractions: fraction of groups per part, non-negative, summing to 1.
-        seed: seed of the shuffle.
+        seed: the hash key.
 
     Returns:
         One sorted int64 array of example indices per fraction.
 
     Privacy:
         Parts are disjoint by group, so mechanisms run on different parts compose in parallel
-        under the group-level (user-level) neighbouring relation.
+        under the group-level (user-level) neighbouring relation; a group's part depends on its
+        own id and the key only, as add/remove composition needs.
     """
     group_ids = np.asarray(group_ids)
     if group_ids.ndim != 1:
         raise ValueError(f"group_ids must be 1-D, got shape {group_ids.shape}")
     fractions = _check_fractions(fractions)
     groups, inverse = np.unique(group_ids, return_inverse=True)
-    order = np.random.default_rng(seed).permutation(len(groups))
-    part_of_group = np.empty(len(groups), dtype=np.int64)
-    for part, chosen in enumerate(np.split(order, _cut_points(len(groups), fractions))):
-        part_of_group[chosen] = part
+    used = np.flatnonzero(np.asarray(fractions) > 0)
+    part_of_group = used[assign_parts(groups.tolist(), [fractions[i] for i in used], key=seed)]
     part_of_example = part_of_group[inverse]
     return tuple(np.flatnonzero(part_of_example == part) for part in range(len(fractions)))
 
