@@ -20,6 +20,12 @@ the audit would catch a mechanism that leaks more than it claims.
   (canary examples) or user level (canary users of G examples each); scored by their
   coordinate, bounded by `one_run_epsilon_lower_bound` (Steinke et al. and f-DP).
 - `dpsgd_user_level`: one canary user with G dirac examples, many runs, user-level sampling.
+- `ghost_cancelling_one_run`: the default (ghost-clipping) path in ONE DP-SGD run of a taped
+  dense layer with m numerical canaries (`audit.cancelling_canary`: two positions whose
+  gradients of norm 1e4·C cancel to 3·C, lost in rounding by a float32 Gram-form norm), each on
+  its own output coordinates and present with probability 1/2, scored by the projection of the
+  released change on its gradient's direction; also reports the largest norm a canary alone
+  adds to the clipped sum (<= C when the norm bound is certified).
 - `pipeline`: the end-to-end DP-MixMin pipeline at small scale (keyed split of digits units,
   DP-MixMin over k public proxy models, the λ-mixed model DP-fine-tuned on D_ft), with one
   canary unit landing in D_mix (scored on λ) and one in D_ft (scored on the model), many runs
@@ -36,11 +42,14 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dpmix_jax.mixing import prepare_examples
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pate import aggregators
 from dpmix_jax.privacy import audit, plan
+from dpmix_jax.privacy import noise as dp_noise
+from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum
 from experiments import audit as runner
 from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, ReleaseAuditConfig
 
@@ -399,6 +408,144 @@ def dpsgd_user_level(config: AuditConfig) -> dict:
         )
         row[f"{label}many_runs"] = bound.epsilon
     row["auroc"] = audit.auroc(scores_by_world[""][True], scores_by_world[""][False])
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# The ghost-clipping path: one run with m cancelling (numerical) canaries.
+# --------------------------------------------------------------------------------------------
+
+
+def taped_dense_loss(params, batch, tape):
+    """Σ_t <y_t, v_t> of a taped dense layer y_t = x_t W: example j's gradient is Σ_t x_jt ⊗ v_jt
+    whatever W is (`batch`: inputs x `(B, T, d_in)`, output gradients v `(B, T, d_out)`)."""
+    x = batch["x"]
+    y = tape.linear("fc", x, x @ params["w"], kernel="w")
+    return jnp.sum(y * batch["v"], axis=(1, 2))
+
+
+def cancelling_canary_data(
+    num_examples: int, num_canaries: int, *, d_in: int, block: int, clip_norm: float, seed: int
+):
+    """Ordinary examples and m cancelling canaries (`audit.cancelling_canary`, seeds `seed + i`)
+    for `taped_dense_loss`, two positions each, with d_out = block·(m + 1).
+
+    Output coordinates come in blocks: the ordinary examples' output gradients (standard
+    normal) fill block 0, canary i's fill block i + 1, so the canaries' gradients are orthogonal
+    to each other and to every other example's. Canary rows follow the ordinary ones. Returns
+    (data, directions `(m, d_in, block)`: each canary's exact (float64) gradient Σ_t x_t ⊗ v_t
+    in its block, normalised)."""
+    d_out = block * (num_canaries + 1)
+    rng = np.random.default_rng(seed)
+    x = np.zeros((num_examples + num_canaries, 2, d_in), np.float32)
+    v = np.zeros((num_examples + num_canaries, 2, d_out), np.float32)
+    x[:num_examples] = rng.standard_normal((num_examples, 2, d_in))
+    v[:num_examples, :, :block] = rng.standard_normal((num_examples, 2, block))
+    directions = np.zeros((num_canaries, d_in, block))
+    for i in range(num_canaries):
+        cx, cv = audit.cancelling_canary(d_in, block, clip_norm=clip_norm, seed=seed + i)
+        row, cols = num_examples + i, slice(block * (i + 1), block * (i + 2))
+        x[row], v[row, :, cols] = cx, cv
+        g = cx.astype(np.float64).T @ cv.astype(np.float64)
+        directions[i] = g / np.linalg.norm(g)
+    return {"x": x, "v": v}, directions
+
+
+def canary_contributions(grad_sum, params, data, rows) -> np.ndarray:
+    """||clipped sum of a batch holding only row j|| (float64) for each j in `rows`."""
+    fn = jax.jit(grad_sum)
+    out = []
+    for j in rows:
+        alone = {name: jnp.asarray(a[j : j + 1]) for name, a in data.items()}
+        total, _ = fn(params, alone, jnp.ones(1, bool))
+        out.append(np.linalg.norm(np.asarray(total["w"], np.float64)))
+    return np.asarray(out)
+
+
+def _dpsgd_run(
+    grad_sum, settings, *, noise_multiplier, expected_batch_size, data, params0, masks, seed
+):
+    """Parameters after one DP-SGD run over the full-data `(T, units)` Poisson `masks`: as
+    `runner.make_dpsgd_trials`, with a given clipped sum (such as the ghost one)."""
+    optimizer = dp_noise.private_optimizer(
+        optax.sgd(settings.learning_rate),
+        noise_multiplier=noise_multiplier,
+        sensitivity=grad_sum.sensitivity(),
+        expected_batch_size=expected_batch_size,
+        key=jax.random.key(seed),
+    )
+    step = dp_noise.make_dp_sgd_step(grad_sum, optimizer)
+
+    @jax.jit
+    def run(data, params, masks):
+        def body(carry, mask):
+            params, state, _ = step(*carry, data, mask)
+            return (params, state), None
+
+        (params, _), _ = jax.lax.scan(body, (params, optimizer.init(params)), masks)
+        return params
+
+    return run(jax.tree.map(jnp.asarray, data), params0, jnp.asarray(masks))
+
+
+def ghost_cancelling_one_run(
+    config: AuditConfig, *, make_grad_sum=ghost_clipped_grad_sum, d_in: int = 8, block: int = 8
+) -> dict:
+    """ONE DP-SGD run of the ghost-clipping path with m cancelling canaries, each present w.p. 1/2.
+
+    A taped dense layer (`taped_dense_loss`, W of d_in x block·(m + 1)) on `ghost_examples`
+    ordinary examples and m canaries from `cancelling_canary_data`: each canary's two positions
+    have gradients of norm 1e4·C that cancel to 3·C, which a float32 Gram-form norm loses in
+    rounding. DP-SGD (the clipped sum of `make_grad_sum`, default `ghost_clipped_grad_sum`,
+    plus N(0, σ²C²)) runs `one_run_steps` steps at expected batch `ghost_batch_size`; each
+    canary is scored by the projection of the released change of W on its gradient's direction
+    (in units of C per expected batch), and the scores are bounded by
+    `one_run_epsilon_lower_bound` with noise and without (the control). The row's
+    `max_canary_contribution` is the largest norm / C of the clipped sum of a batch holding one
+    canary alone (<= 1 when the clipping is sound).
+    """
+    release = config.releases
+    rng = np.random.default_rng(config.seed + 37)
+    n, m, steps = release.ghost_examples, release.one_run_canaries, release.one_run_steps
+    data, directions = cancelling_canary_data(
+        n, m, d_in=d_in, block=block, clip_norm=release.clip_norm, seed=config.seed + 41
+    )
+    included = rng.random(m) < 0.5
+    present = np.append(np.ones(n, bool), included)
+    batch = release.ghost_batch_size
+    dp_plan = _plan(
+        release.epsilon, release.delta, release.clip_norm, batch, steps, int(present.sum())
+    )
+    grad_sum = make_grad_sum(taped_dense_loss, clip_norm=release.clip_norm)
+    params0 = {"w": jnp.zeros((d_in, block * (m + 1)), jnp.float32)}
+    contributions = canary_contributions(grad_sum, params0, data, range(n, n + m))
+    row = {
+        "release": "DP-SGD ghost, cancelling canaries",
+        "claimed_epsilon": dp_plan.spent().epsilon,
+        "canaries": m,
+        "max_canary_contribution": float(contributions.max() / release.clip_norm),
+    }
+    settings = _sgd_settings(release, steps, dp_plan.expected_batch_size, release.learning_rate)
+    scale = dp_plan.expected_batch_size / (settings.learning_rate * release.clip_norm)
+    for label, sigma in (("", dp_plan.noise_multiplier), ("no_noise_", 0.0)):
+        masks = poisson_masks(rng, 1, steps, n + m, dp_plan.sampling_rate)[0] & present
+        seed = int(rng.integers(2**31 - 1))
+        final = _dpsgd_run(
+            grad_sum,
+            settings,
+            noise_multiplier=sigma,
+            expected_batch_size=dp_plan.expected_batch_size,
+            data=data,
+            params0=params0,
+            masks=masks,
+            seed=seed,
+        )
+        w = np.asarray(final["w"], np.float64)[:, block:].reshape(d_in, m, block)
+        scores = -scale * np.einsum("imj,mij->m", w, directions)
+        for method in audit.ONE_RUN_METHODS:
+            row[f"{label}one_run_{method}"] = audit.one_run_epsilon_lower_bound(
+                scores, included, delta=release.delta, confidence=config.confidence, method=method
+            ).epsilon
     return row
 
 

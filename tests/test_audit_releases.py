@@ -155,3 +155,32 @@ def test_release_config_rejects_bad_settings():
         ReleaseAuditConfig(pipeline_mix_fraction=1.0)
     with pytest.raises(ValueError, match="one_run_canaries"):
         ReleaseAuditConfig(one_run_canaries=1)
+
+
+def test_ghost_cancelling_canaries_add_at_most_c_and_one_run_audit_holds():
+    # Numerical canaries: two positions whose gradients (norm 1e4·C) cancel to 3·C. The ghost
+    # path's certified norm bound must keep each one's contribution <= C (a float32 Gram-form
+    # norm let about half of them add more, up to 3·C), and the one-run audit of the ghost path
+    # must stay below the claim while its no-noise control finds the canaries.
+    config = small_config(ghost_examples=200, ghost_batch_size=48)
+    release = config.releases
+    n, m = release.ghost_examples, release.one_run_canaries
+    data, directions = releases.cancelling_canary_data(
+        n, m, d_in=8, block=8, clip_norm=release.clip_norm, seed=5
+    )
+    exact = np.linalg.norm(
+        np.einsum("bti,btj->bij", data["x"][n:].astype(np.float64), data["v"][n:]), axis=(1, 2)
+    )
+    np.testing.assert_allclose(exact, 3.0 * release.clip_norm, rtol=1e-3)
+    grad_sum = releases.ghost_clipped_grad_sum(releases.taped_dense_loss, clip_norm=1.0)
+    params = {"w": np.zeros((8, 8 * (m + 1)), np.float32)}
+    alone = releases.canary_contributions(grad_sum, params, data, range(n, n + 20))
+    assert np.all(alone <= release.clip_norm * (1 + 1e-6)), alone.max()
+    assert np.all(alone >= 0.5 * release.clip_norm), alone.min()  # clipped, not dropped
+
+    row = releases.ghost_cancelling_one_run(config)
+    assert row["max_canary_contribution"] <= 1 + 1e-6
+    assert row["claimed_epsilon"] <= 1.0
+    for method in ("steinke", "fdp"):
+        assert 0 <= row[f"one_run_{method}"] <= row["claimed_epsilon"]
+        assert row[f"no_noise_one_run_{method}"] > 2.0 > row["claimed_epsilon"]

@@ -124,6 +124,9 @@ class ReleaseAuditConfig:
         one_run_canaries: m canaries (examples, or users) in the one-run DP-SGD audits, and
             in D_ft of the one-run end-to-end audit.
         one_run_steps, one_run_batch_size: that run's T and expected batch.
+        ghost_examples, ghost_batch_size: ordinary examples and expected batch of the one-run
+            audit of the ghost-clipping path with cancelling (numerical) canaries (its m and T
+            are `one_run_canaries` and `one_run_steps`).
         examples_per_user: G for user-level runs (real users: G consecutive digits rows).
         user_examples, user_steps, user_batch_size: the many-run canary-user audit's data size,
             T and expected batch (users).
@@ -154,6 +157,8 @@ class ReleaseAuditConfig:
     one_run_canaries: int = 500
     one_run_steps: int = 100
     one_run_batch_size: float = 256
+    ghost_examples: int = 400
+    ghost_batch_size: float = 64
     examples_per_user: int = 4
     user_examples: int = 400
     user_steps: int = 30
@@ -177,6 +182,7 @@ class ReleaseAuditConfig:
         _check_epsilons(self.tight_epsilons)
         for name in ("clip_norm", "learning_rate", "tight_learning_rate", "one_run_batch_size"):
             accounting.check_positive(getattr(self, name), name)
+        accounting.check_positive(self.ghost_batch_size, "ghost_batch_size")
         accounting.check_positive(self.user_batch_size, "user_batch_size")
         for name in ("pipeline_mix_batch", "pipeline_mix_learning_rate", "pipeline_ft_batch"):
             accounting.check_positive(getattr(self, name), name)
@@ -195,6 +201,7 @@ class ReleaseAuditConfig:
             "chunk",
             "one_run_canaries",
             "one_run_steps",
+            "ghost_examples",
             "examples_per_user",
             "user_examples",
             "user_steps",
