@@ -102,7 +102,7 @@ def test_deeply_nested_json_document_is_one_line(tmp_path, capsys, monkeypatch):
     path.write_text('{"text": ' + "[" * 100_000 + "\n")
     _fail_with(monkeypatch, lambda: list(text.iter_documents(path)))
     line = _one_line(capsys)
-    assert line.startswith("dpmix: error: input nested too deeply to read")
+    assert line == f"dpmix: error: {path} line 1: JSON nested too deeply to read"
 
 
 def test_lone_surrogate_is_a_value_error_naming_the_text(tmp_path, capsys, monkeypatch):
