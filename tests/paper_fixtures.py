@@ -189,7 +189,7 @@ def _sentence(rng: np.random.Generator, words: str, length: int) -> str:
     return " ".join(rng.choice(vocabulary, size=length)).capitalize() + "."
 
 
-def write_enron(root: pathlib.Path, *, users: int = 14, messages: int = 2) -> pathlib.Path:
+def write_enron(root: pathlib.Path, *, users: int = 20, messages: int = 2) -> pathlib.Path:
     """The CMU Enron maildir under `root/maildir`: per user `sent_items/1.` ... (one user's mail
     in `_sent_mail`, one user with no sent folder at all), messages with the dataset's headers,
     quoted replies and forwarded parts."""

@@ -238,4 +238,4 @@ def test_a_total_delta_of_one_over_the_teachers_or_more_is_refused_before_any_te
         generation.generate(Counting(), [3], config)
     assert calls == []
     allowed = dataclasses.replace(config, allow_large_delta=True)
-    assert generation.generate(Counting(), [3], allowed).tokens
+    assert generation.generate(Counting(), [3], allowed).num_queries > 0 and calls
