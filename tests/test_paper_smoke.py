@@ -101,7 +101,7 @@ def test_truncated_mimic_csv_gz_is_named(tmp_path):
 
 def test_text_layouts_load(data):
     mail = load_enron(data / "enron" / "maildir")
-    assert len(mail.users) == 14 and len(mail) == 28
+    assert len(mail.users) == 20 and len(mail) == 40
     assert mail.skipped == {"users_without_messages": 1}
     assert not any("Original Message" in t or "Forwarded by" in t for t in mail.texts)
     domains = load_domains(data / "common_pile", max_documents_per_domain=4)
