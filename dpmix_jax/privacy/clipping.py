@@ -123,7 +123,13 @@ def global_norm(tree: PyTree) -> jax.Array:
 
 
 def sum_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype clipped sums are returned in for parameters of `dtype`: float32 or wider."""
+    """The dtype of clipped sums, their noise and the noisy mean for parameters of `dtype`:
+    float32 or wider.
+
+    Privacy: in bfloat16 or float16 a sum of thousands of clipped units, or the sum plus its
+    noise, would be rounded at the scale of the sum; the sensitivity and the Gaussian
+    mechanism's analysis assume neither.
+    """
     return jnp.promote_types(dtype, jnp.float32)
 
 

@@ -35,7 +35,7 @@ import optax
 
 from dpmix_jax import parallel
 from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
-from dpmix_jax.privacy.clipping import ClippedGradSum
+from dpmix_jax.privacy.clipping import ClippedGradSum, sum_dtype
 from dpmix_jax.privacy.randomness import normal, prng_key, secret_seed
 
 PyTree = Any
@@ -47,19 +47,9 @@ class GaussianNoiseState(NamedTuple):
     key: jax.Array
 
 
-def noise_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype noise is drawn and added in for values of `dtype`: float32 or wider.
-
-    Privacy: in bfloat16 or float16 the noisy sum would be rounded at the scale of the sum, and
-    the sum itself can be rounded before the noise; the Gaussian mechanism's analysis assumes
-    neither.
-    """
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
     """A pytree shaped like `like` of independent N(0, stddev²) draws, each leaf in
-    `noise_dtype(leaf.dtype)` (float32 for bfloat16 leaves).
+    `sum_dtype(leaf.dtype)` (float32 for bfloat16 leaves).
 
     One flat draw covers every leaf: a draw per leaf would compile one random-number kernel per
     parameter array (seconds for a GPT-2).
@@ -69,7 +59,7 @@ def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
     flat = stddev * normal(key, sum(sizes))
     parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if leaves else []
     noise = [
-        part.reshape(leaf.shape).astype(noise_dtype(leaf.dtype))
+        part.reshape(leaf.shape).astype(sum_dtype(leaf.dtype))
         for part, leaf in zip(parts, leaves, strict=True)
     ]
     return jax.tree.unflatten(treedef, noise)
@@ -89,7 +79,7 @@ def fresh_secret_key() -> jax.Array:
 def add_gaussian_noise(stddev: float, key: jax.Array | None = None) -> optax.GradientTransformation:
     """Adds N(0, stddev²) noise to every coordinate of the updates, with a fresh key each call.
 
-    The updates are promoted to float32 (or wider, `noise_dtype`) and the noise is added there;
+    The updates are promoted to float32 (or wider, `sum_dtype`) and the noise is added there;
     the result stays in that dtype.
 
     Args:
@@ -148,7 +138,7 @@ def private_optimizer(
 ) -> optax.GradientTransformation:
     """Noise the clipped sum, divide by the public expected batch size, then `optimizer`.
 
-    Noise and division happen in float32 or wider (`noise_dtype`); the noisy mean gradient is
+    Noise and division happen in float32 or wider (`sum_dtype`); the noisy mean gradient is
     then cast to each parameter's dtype (when `update` is given the params) before `optimizer`.
 
     Args:

@@ -45,9 +45,14 @@ from flax import nnx
 
 from dpmix_jax import parallel
 from dpmix_jax.privacy import accounting, randomness
-from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
+from dpmix_jax.privacy.clipping import (
+    ClippedGradSum,
+    clipped_grad_sum,
+    sum_dtype,
+    user_clipped_grad_sum,
+)
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
-from dpmix_jax.privacy.noise import noise_dtype, private_optimizer
+from dpmix_jax.privacy.noise import private_optimizer
 from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
 from dpmix_jax.privacy.sampling import PADDING_INDEX, group_by_user
 from dpmix_jax.train import ghost_models
@@ -416,7 +421,7 @@ class Trainer:
         self._chunk_fn = jax.jit(self._chunk_sum)
         # One dispatch for the accumulator, not one per parameter (it matters for small steps).
         self._zeros_fn = jax.jit(
-            lambda tree: jax.tree.map(lambda x: jnp.zeros_like(x, noise_dtype(x.dtype)), tree)
+            lambda tree: jax.tree.map(lambda x: jnp.zeros_like(x, sum_dtype(x.dtype)), tree)
         )
         self._apply_fn = jax.jit(self._apply, donate_argnums=0)
         # Without chunking a private step is this one call: clipped sum, noise and update, the
@@ -525,7 +530,7 @@ class Trainer:
         )
 
     def _chunk_sum(self, params, frozen, rest, acc, batch, mask):
-        """`acc` (float32 or wider, `noise_dtype`) plus the chunk's clipped sum, in acc's dtype."""
+        """`acc` (float32 or wider, `sum_dtype`) plus the chunk's clipped sum, in acc's dtype."""
         total, _ = self._grad_sum(frozen, rest)(params, batch, mask)
         return jax.tree.map(lambda a, t: a + t.astype(a.dtype), acc, total)
 
@@ -558,7 +563,7 @@ class Trainer:
             indices: (B,) example indices, or (U, G) per-user example indices, -1 for padding.
             mask: bool, same shape as `indices`.
 
-        The sum is accumulated in float32 or wider (`noise.noise_dtype`), whatever the
+        The sum is accumulated in float32 or wider (`clipping.sum_dtype`), whatever the
         parameters' dtype.
 
         Privacy: the sum has sensitivity `clip_norm` per unit; it is *not* private until noised.
