@@ -395,3 +395,59 @@ def test_one_run_audit_of_private_lora_training():
     # Control: almost no noise. The same canaries are then told apart far above the claim.
     broken_lower, _ = _audit_run(0.01)
     assert broken_lower > claimed, broken_lower
+
+
+# ---------------------------------------------------------------------------------------------
+# The text pipeline and the command line.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_text_pipeline_fine_tunes_lora_adapters(tmp_path):
+    from test_pipeline_text import three_domains, tiny_config
+
+    from dpmix_jax.pipeline.text import TextPipeline
+    from dpmix_jax.pipeline.text_presets import text_task
+
+    task = three_domains(text_task(num_users=24, documents_per_user=(2, 4), max_chars=400))
+    adapters = lora.LoraConfig(rank=2, alpha=4.0)
+    config = tiny_config(finetune_lora=adapters, finetune_last_blocks=None)
+    pipeline = TextPipeline(task, config, tmp_path, reproducible=True)
+    init = pipeline.pretrained(None, 0)
+    rows = np.arange(len(task.train))
+    trainer, _ = pipeline.finetune_trainer(init, config.finetune, rows, jax.random.key(0))
+    assert trainer.clipping == "ghost"
+    assert all("lora_" in name for name in trainer.init_state().params)
+    model, budget = pipeline.finetune(init, "random", "all", 1.0, 0)
+    assert isinstance(model.h[0].mlp.c_fc, lora.LoraLinear)
+    assert budget.epsilon == pytest.approx(1.0, rel=0.05)
+    # The frozen pretrained weights are the ones the stage started from.
+    frozen = nnx.state(lora.merge_lora(model), nnx.Param)["wte"]["embedding"].value
+    np.testing.assert_array_equal(np.asarray(frozen), np.asarray(init.wte.embedding.value))
+    np.testing.assert_array_equal(
+        np.asarray(model.h[0].attn.c_attn.base.kernel.value),
+        np.asarray(init.h[0].attn.c_attn.kernel.value),
+    )
+    with pytest.raises(ValueError, match="finetune_lora"):
+        tiny_config(finetune_lora=adapters, finetune_last_blocks=1)
+
+
+def test_demo_lora_rank_reaches_the_text_pipeline(monkeypatch, tmp_path, capsys):
+    from dpmix_jax import cli, pipeline
+
+    seen = {}
+
+    def fake_comparison(stages, **kwargs):
+        seen["config"] = stages.config
+        (kwargs["out_dir"] / "results.md").write_text("")
+        return {"runs": []}
+
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    argv = ["demo", "text", "--lora-rank", "4", "--methods", "uniform", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert seen["config"].finetune_lora == lora.LoraConfig(rank=4, alpha=8.0)
+    assert seen["config"].finetune_last_blocks is None
+    for bad in (["demo", "--lora-rank", "4"], ["demo", "text", "--lora-rank", "0"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*bad, "--out", str(tmp_path)])
+        assert exit_info.value.code == 2
+        assert "--lora-rank" in capsys.readouterr().err

@@ -51,6 +51,11 @@ TARGET_LAYERS = {
 _ADAPTER_NAMES = ("lora_a", "lora_b")
 
 
+def _positive_finite(value: Any) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """Shape and scale of the LoRA adapters.
@@ -72,24 +77,20 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise ValueError(f"rank must be an integer >= 1, got {self.rank!r}.")
-        if not isinstance(self.alpha, int | float) or not math.isfinite(self.alpha) or (
-            self.alpha <= 0
-        ):
+        if not _positive_finite(self.alpha):
             raise ValueError(f"alpha must be a finite number > 0, got {self.alpha!r}.")
         targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
-        if not targets or any(t not in TARGET_LAYERS for t in targets) or len(set(targets)) < len(
-            targets
-        ):
+        known = all(target in TARGET_LAYERS for target in targets)
+        if not targets or not known or len(set(targets)) < len(targets):
             raise ValueError(
                 f"targets must be distinct names among {tuple(TARGET_LAYERS)}, got "
                 f"{self.targets!r}."
             )
         object.__setattr__(self, "targets", targets)
-        if self.init_std is not None and not (
-            isinstance(self.init_std, int | float) and math.isfinite(self.init_std)
-            and self.init_std > 0
-        ):  # fmt: skip
-            raise ValueError(f"init_std must be None or a finite number > 0, got {self.init_std!r}.")
+        if self.init_std is not None and not _positive_finite(self.init_std):
+            raise ValueError(
+                f"init_std must be None or a finite number > 0, got {self.init_std!r}."
+            )
 
     @property
     def scaling(self) -> float:
@@ -98,7 +99,7 @@ class LoraConfig:
 
 
 class LoraLinear(nnx.Module):
-    """A frozen ``nnx.Linear`` plus a trainable low-rank update: ``base(x) + s · lora_b(lora_a(x))``.
+    """A frozen ``nnx.Linear`` plus a low-rank update: ``base(x) + s · lora_b(lora_a(x))``.
 
     Args:
         base: the pretrained layer (kept as the ``base`` attribute, its parameters unchanged).
@@ -119,10 +120,10 @@ class LoraLinear(nnx.Module):
             )
         dtypes = {"dtype": base.dtype, "param_dtype": base.param_dtype}
         self.base = base
+        normal = nnx.initializers.normal(init_std)
         self.lora_a = nnx.Linear(
-            d_in, rank, use_bias=False, kernel_init=nnx.initializers.normal(init_std), rngs=rngs,
-            **dtypes,
-        )  # fmt: skip
+            d_in, rank, use_bias=False, kernel_init=normal, rngs=rngs, **dtypes
+        )
         self.lora_b = nnx.Linear(
             rank, d_out, use_bias=False, kernel_init=nnx.initializers.zeros, rngs=rngs, **dtypes
         )
@@ -133,7 +134,7 @@ class LoraLinear(nnx.Module):
         return self.base(x) + jnp.asarray(self.scaling, update.dtype) * update
 
     def merged_kernel(self) -> jax.Array:
-        """``W + s · A B`` in the base kernel's ``(d_in, d_out)`` layout and dtype (float32 math)."""
+        """``W + s · A B`` in the base kernel's ``(d_in, d_out)`` layout and dtype (float32 sum)."""
         kernel = self.base.kernel.value
         delta = jnp.matmul(
             self.lora_a.kernel.value.astype(jnp.float32),
@@ -169,9 +170,11 @@ def add_lora(model: GPT2, config: LoraConfig, *, rngs: nnx.Rngs) -> GPT2:
     """
     for parent, attribute in _targets(model, config.targets):
         layer = getattr(parent, attribute)
-        if not type(layer) is nnx.Linear:
-            raise ValueError(f"{attribute} is a {type(layer).__name__}, not a plain nnx.Linear; "
-                             "the model already has adapters.")  # fmt: skip
+        if type(layer) is not nnx.Linear:
+            raise ValueError(
+                f"{attribute} is a {type(layer).__name__}, not a plain nnx.Linear; the model "
+                "already has adapters."
+            )
         std = config.init_std or 1.0 / math.sqrt(layer.in_features)
         adapted = LoraLinear(
             layer, rank=config.rank, scaling=config.scaling, init_std=std, rngs=rngs
@@ -244,4 +247,3 @@ def merge_lora(model: GPT2) -> GPT2:
     if not found:
         raise ValueError("the model has no LoRA adapters to merge.")
     return merged
-
