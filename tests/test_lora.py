@@ -451,3 +451,37 @@ def test_demo_lora_rank_reaches_the_text_pipeline(monkeypatch, tmp_path, capsys)
             cli.main([*bad, "--out", str(tmp_path)])
         assert exit_info.value.code == 2
         assert "--lora-rank" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark, in its micro form.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_lora_bench_micro_preset(tmp_path):
+    import json
+
+    from experiments import lora_bench
+
+    report = lora_bench.main(["--preset", "micro", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "lora_bench.json").read_text()) == json.loads(json.dumps(report))
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == set(lora_bench.METHODS)
+    base = nnx.state(GPT2(GPT2Config.tiny(), rngs=nnx.Rngs(0)), nnx.Param)
+    full = sum(x.size for x in jax.tree.leaves(base))
+    rank, tiny = report["rank"], GPT2Config.tiny()
+    d, h = tiny.n_embd, tiny.mlp_dim
+    adapters = tiny.n_layer * rank * ((d + 3 * d) + (d + d) + (d + h) + (h + d))
+    assert rows["full_dp"]["trainable_parameters"] == full
+    assert rows["lora_dp"]["trainable_parameters"] == adapters
+    assert rows["lora_dp"]["clipping"] == rows["full_dp"]["clipping"] == "ghost"
+    (summary,) = report["summary"]
+    assert summary["lora_dp_over_lora_nonprivate_time"] == pytest.approx(
+        rows["lora_dp"]["median_step_seconds"] / rows["lora_nonprivate"]["median_step_seconds"]
+    )
+    if rows["lora_dp"]["peak_memory_bytes"] is not None:
+        assert summary["lora_dp_over_full_dp_memory"] < 1.0
+    assert report["noise_seeded"] and report["provenance"]["command"]
+    table = (tmp_path / "lora_bench.md").read_text()
+    assert f"{1e3 * rows['lora_dp']['median_step_seconds']:.1f}" in table

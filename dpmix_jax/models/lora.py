@@ -233,6 +233,9 @@ def merge_lora(model: GPT2) -> GPT2:
 
     The result has the parameter layout of `GPT2` (and of the transformers checkpoint), so it
     decodes without the adapters' extra matmuls; `model` itself is left unchanged.
+
+    Privacy: post-processing of the adapters and the (public) base weights: the merged model is
+    exactly as private as the adapters released by the run.
     """
     merged = nnx.clone(model)
     found = False
