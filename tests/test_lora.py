@@ -288,27 +288,37 @@ class _FrozenThenLora(nnx.Module):
 
 
 @pytest.mark.parametrize("clipping", ["auto", "vmap"])
-def test_adversarial_units_move_the_adapter_sum_by_at_most_c(clipping):
-    # Positions whose gradients nearly cancel (see test_adversarial_clipping), through the
-    # Trainer with only the adapters trainable.
+@pytest.mark.parametrize("level", ["example", "user"])
+def test_adversarial_units_move_the_adapter_sum_by_at_most_c(clipping, level):
+    # Positions (example level) or a user's examples (user level) whose gradients nearly cancel
+    # (see test_adversarial_clipping), through the Trainer with only the adapters trainable.
     x, v = cancelling(np.random.default_rng(7), 8, 2, 16, 16)
+    if level == "user":  # user u's two examples are its two cancelling positions
+        x, v = x.reshape(16, 1, 16), v.reshape(16, 1, 16)
+        indices, mask = np.arange(16).reshape(8, 2), np.ones((8, 2), bool)
+        mask[5, 1] = False
+        extra = {"level": "user", "max_examples_per_user": 2}
+    else:
+        indices, mask, extra = np.arange(8), np.ones(8, bool), {}
     model = _FrozenThenLora()
-    config = _private_config(clip_norm=CLIP, batch_size=4, pad_multiple=8, clipping=clipping)
+    config = _private_config(
+        clip_norm=CLIP, batch_size=4, pad_multiple=8, clipping=clipping, **extra
+    )
     trainer = engine.Trainer(
         config, model, lambda m, b: jnp.sum(m(b["x"]) * b["v"], axis=(1, 2)),
         trainable_mask=lora.trainable_mask(model), num_units=8, noise_key=jax.random.key(0),
     )  # fmt: skip
     assert trainer.clipping == ("ghost" if clipping == "auto" else "vmap")
 
-    def adversarial_gather(indices):
-        rows = np.maximum(indices, 0)
+    def adversarial_gather(rows):
+        rows = np.maximum(rows, 0)
         return {"x": x[rows], "v": v[rows]}
 
-    def grad_sum(params, indices, mask):
-        return trainer.clipped_sum(params, adversarial_gather, indices, mask), None
+    def grad_sum(params, unit_indices, unit_mask):
+        return trainer.clipped_sum(params, adversarial_gather, unit_indices, unit_mask), None
 
     params = trainer.init_state().params
-    assert_sound(grad_sum, params, np.arange(8), np.ones(8, bool), GRAM_SLACK)
+    assert_sound(grad_sum, params, indices, mask, GRAM_SLACK)
 
 
 def test_checkpoint_resume_of_a_lora_run_is_exact(tmp_path):
