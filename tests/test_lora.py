@@ -495,3 +495,14 @@ def test_lora_bench_micro_preset(tmp_path):
     assert report["noise_seeded"] and report["provenance"]["command"]
     table = (tmp_path / "lora_bench.md").read_text()
     assert f"{1e3 * rows['lora_dp']['median_step_seconds']:.1f}" in table
+
+
+def test_docs_page_shows_the_stored_benchmark_tables():
+    import json
+    import pathlib
+
+    from experiments import lora_bench
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    report = json.loads((root / "docs/results/lora_bench.json").read_text())
+    assert lora_bench.markdown(report) in (root / "docs/lora.md").read_text()
