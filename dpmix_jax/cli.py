@@ -337,6 +337,14 @@ def _parser() -> argparse.ArgumentParser:
             "seeds only number the repetitions and private randomness is secret"
         ),
     )
+    demo.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="text only: DP fine-tuning of rank-R LoRA adapters (alpha = 2R) on every attention "
+        "and MLP projection, the pretrained weights frozen (default: the last block and the head)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_scale_arguments(demo)
 
@@ -420,14 +428,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo_config(dataset: str):
+def _demo_config(dataset: str, lora_rank: int | None = None):
     if dataset == "image":
+        if lora_rank is not None:
+            raise ValueError("argument --lora-rank: LoRA applies to the text demo's GPT-2 only")
         from dpmix_jax.pipeline.presets import image_demo_config
 
         return image_demo_config()
     from dpmix_jax.pipeline.text_presets import text_demo_config
 
-    return text_demo_config()
+    try:
+        return text_demo_config(lora_rank=lora_rank)
+    except ValueError as err:
+        raise ValueError(f"argument --lora-rank: {err}") from err
 
 
 def _check_demo_arguments(args: argparse.Namespace) -> None:
@@ -437,7 +450,7 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
     from dpmix_jax.privacy import accounting
 
     accounting.check_delta(args.delta, "argument --delta")
-    config = _demo_config(args.dataset)
+    config = _demo_config(args.dataset, args.lora_rank)
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     for epsilon in args.epsilons:
         accounting.check_epsilon(epsilon, "argument --epsilons")
@@ -476,7 +489,9 @@ def _run_demo(args: argparse.Namespace, methods: list[str]) -> int:
     start = time.time()
     use_compilation_cache(args.out / "xla_cache")
     config = dataclasses.replace(
-        _demo_config(args.dataset), delta=args.delta, allow_large_delta=args.allow_large_delta
+        _demo_config(args.dataset, args.lora_rank),
+        delta=args.delta,
+        allow_large_delta=args.allow_large_delta,
     )
     if args.dataset == "image":
         from dpmix_jax.pipeline.image import ImagePipeline

@@ -49,6 +49,7 @@ from flax import nnx
 
 from dpmix_jax.data.text import document_tokens, pack_sequences
 from dpmix_jax.data.tokenizer import TextTokenizer, gpt2_tokenizer, train_bpe_tokenizer
+from dpmix_jax.models import lora
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config, trainable_mask
 from dpmix_jax.pipeline import common
 from dpmix_jax.pipeline.text_data import (
@@ -144,6 +145,9 @@ class TextPipelineConfig:
             replaced by each run's.
         finetune_last_blocks: train only the last this-many blocks and the (tied) head during
             fine-tuning (the paper: 2); None trains every parameter.
+        finetune_lora: fine-tune LoRA adapters (`models.lora`) added to the pretrained model
+            instead: only the adapters train (the pretrained weights stay frozen); needs
+            `finetune_last_blocks=None`.
         random_search_candidates: m, the Random Search baseline's number of Dirichlet(1) draws.
         eval_batch_size: rows per evaluation batch.
     """
@@ -164,6 +168,7 @@ class TextPipelineConfig:
     pretrain: TrainConfig
     finetune: TrainConfig
     finetune_last_blocks: int | None = None
+    finetune_lora: lora.LoraConfig | None = None
     random_search_candidates: int = 4
     eval_batch_size: int = 32
 
@@ -203,6 +208,14 @@ class TextPipelineConfig:
             raise ValueError(
                 f"finetune_last_blocks must be None or an integer in [0, "
                 f"{self.model.config.n_layer}], got {self.finetune_last_blocks!r}."
+            )
+        if self.finetune_lora is not None and (
+            not isinstance(self.finetune_lora, lora.LoraConfig)
+            or self.finetune_last_blocks is not None
+        ):
+            raise ValueError(
+                "finetune_lora must be a LoraConfig, with finetune_last_blocks=None (the "
+                "adapters alone train)."
             )
         if not isinstance(self.random_search_candidates, int) or self.random_search_candidates < 1:
             raise ValueError("random_search_candidates must be an integer >= 1.")
@@ -507,18 +520,23 @@ class TextPipeline(common.MixturePipeline):
         self, init: GPT2, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
     ) -> tuple[Trainer, IndexedData]:
         """DP-SGD on the next-token loss of the train documents at `rows` (`_finetune_data`),
-        training the last `finetune_last_blocks` blocks or everything.
+        training the last `finetune_last_blocks` blocks, LoRA adapters added to a copy of `init`
+        (`finetune_lora`; their A matrices drawn from seed 0), or everything.
 
         Privacy: at user level Poisson-sampled users, up to G rows each, averaged and clipped;
         `num_units` counts the users (or documents) among `rows`.
         """
         data, num_units = self._finetune_data(rows)
         last = self.config.finetune_last_blocks
+        mask = None if last is None else trainable_mask(init, last_n_blocks=last)
+        if self.config.finetune_lora is not None:
+            init = lora.add_lora(nnx.clone(init), self.config.finetune_lora, rngs=nnx.Rngs(0))
+            mask = lora.trainable_mask(init)
         trainer = Trainer(
             config,
             init,
             losses.next_token_nll(mask_key="mask"),
-            trainable_mask=None if last is None else trainable_mask(init, last_n_blocks=last),
+            trainable_mask=mask,
             num_units=num_units,
             noise_key=noise_key,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dpmix_jax.data import builtin
 from dpmix_jax.models.gpt2 import GPT2Config
+from dpmix_jax.models.lora import LoraConfig
 from dpmix_jax.pipeline import common
 from dpmix_jax.pipeline.text import (
     DomainTextTask,
@@ -57,11 +58,15 @@ def text_task(
     )
 
 
-def text_demo_config(*, level: Level = "user", **overrides) -> TextPipelineConfig:
+def text_demo_config(
+    *, level: Level = "user", lora_rank: int | None = None, **overrides
+) -> TextPipelineConfig:
     """Settings of the text demo on `text_task(level=level)` (2 CPU cores, minutes).
 
     GPT-2 with 2 layers and width 64 on 64-token rows, a 512-token BPE trained on the public
-    domains, one proxy set shared by the seeds, DP fine-tuning of the last block and the head.
+    domains, one proxy set shared by the seeds, DP fine-tuning of the last block and the head;
+    with `lora_rank` r, DP fine-tuning of rank-r LoRA adapters (α = 2r) on every attention and
+    MLP projection instead.
     """
     quiet = {"progress": False, "log_every": None}
     tiny = LanguageModelSpec(config=GPT2Config.tiny(n_positions=64))
@@ -121,5 +126,13 @@ def text_demo_config(*, level: Level = "user", **overrides) -> TextPipelineConfi
         random_search_candidates=2,
         eval_batch_size=64,
     )
+    if lora_rank is not None:
+        if not isinstance(lora_rank, int) or not 1 <= lora_rank <= tiny.config.n_embd:
+            raise ValueError(
+                f"lora_rank must be an integer in [1, {tiny.config.n_embd}] (the model width), "
+                f"got {lora_rank!r}."
+            )
+        settings["finetune_lora"] = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank)
+        settings["finetune_last_blocks"] = None
     settings.update(overrides)
     return TextPipelineConfig(**settings)
