@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 
 import dp_accounting
@@ -29,14 +30,19 @@ import numpy as np
 from scipy import special, stats
 
 from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import discrete_noise
 
 __all__ = [
     "DEFAULT_ORDERS",
     "GNMaxReport",
     "PateLedger",
+    "confident_gnmax_discrete_epsilon",
     "confident_gnmax_event",
     "confident_gnmax_report",
+    "discrete_laplace_scale",
+    "dpargmax_discrete_laplace_event",
     "dpargmax_laplace_event",
+    "dpws_discrete_event",
     "dpws_event",
     "epsilon_of_steps",
     "gnmax_log_q",
@@ -83,6 +89,49 @@ def dpws_event(epsilon: float) -> dp_accounting.DpEvent:
     (ε_k, δ' + k·δ)-DP, where ε_k is the Laplace composition's ε at δ'.
     """
     return dp_accounting.LaplaceDpEvent(1.0 / privacy.check_epsilon(epsilon))
+
+
+def discrete_laplace_scale(epsilon: float) -> fractions.Fraction:
+    """The discrete Laplace scale 2/ε of DPARGMAX and DPWS, as the exact Fraction of the float
+    2/ε: the noise is drawn (`privacy.discrete_noise.discrete_laplace`) and accounted at it."""
+    return discrete_noise.as_fraction(2.0 / privacy.check_epsilon(epsilon), "2/epsilon")
+
+
+def dpargmax_discrete_laplace_event(epsilon: float) -> dp_accounting.DpEvent:
+    """One `dpargmax_laplace` call with discrete Laplace noise of scale t = 2/ε.
+
+    A vote move changes two coordinates by 1 each: two discrete Laplace mechanisms of parameter
+    1/t and sensitivity 1 (`DiscreteLaplaceDpEvent`), at most ε-DP (pure) together.
+    """
+    return discrete_noise.discrete_laplace_event(discrete_laplace_scale(epsilon), (1, 1))
+
+
+def dpws_discrete_event(epsilon: float) -> dp_accounting.DpEvent:
+    """The discrete Laplace part of one `dpws` call with discrete noise (`dpws_event`'s argument
+    with the discrete Laplace); its δ per call is the same and is charged separately."""
+    return dpargmax_discrete_laplace_event(epsilon)
+
+
+def confident_gnmax_discrete_epsilon(
+    sigma1: float, sigma2: float, *, steps: int, delta: float
+) -> float:
+    """ε at `delta` of `steps` `confident_gnmax` calls with discrete Gaussian noise.
+
+    Per call: the threshold check on max_j c_j (sensitivity 1) with parameter σ1², and the
+    noisy argmax (two coordinates changing by 1) with σ2², composed; dp-accounting's discrete
+    Gaussian privacy loss distributions (`privacy.discrete_noise.discrete_gaussian_pld`). σ1²
+    and σ2² are the exact Fractions of the floats `sigma1**2`, `sigma2**2`, as sampled.
+    """
+    sigma1 = privacy.check_positive(sigma1, "sigma1")
+    sigma2 = privacy.check_positive(sigma2, "sigma2")
+    delta = privacy.check_delta(delta)
+    steps = privacy.check_steps(steps)
+    check = discrete_noise.discrete_gaussian_pld(sigma1**2, (1,))
+    argmax = discrete_noise.discrete_gaussian_pld(sigma2**2, (1, 1))
+    pld = check.compose(argmax)
+    if steps > 1:
+        pld = pld.self_compose(steps)
+    return float(pld.get_epsilon_for_delta(delta))
 
 
 def epsilon_of_steps(event: dp_accounting.DpEvent, *, steps: int, delta: float) -> float:

@@ -347,13 +347,15 @@ def discrete_laplace_event(
 
 
 def _check_sensitivities(sensitivities: tuple[int, ...]) -> list[int]:
-    deltas = [abs(int(d)) for d in sensitivities]
-    if not deltas or any(d != s or d == 0 for d, s in zip(deltas, map(abs, sensitivities))):
+    if not sensitivities or any(
+        isinstance(d, bool) or not isinstance(d, numbers.Integral) or d == 0
+        for d in sensitivities
+    ):
         raise ValueError(
             f"sensitivities must be non-zero integers (one per changed coordinate), got "
             f"{sensitivities!r}."
         )
-    return deltas
+    return [abs(int(d)) for d in sensitivities]
 
 
 def discrete_gaussian_pld(
