@@ -212,7 +212,9 @@ def test_confident_gnmax_discrete_noise_path_and_epsilon():
     continuous = accounting.epsilon_of_steps(
         accounting.confident_gnmax_event(sigma, sigma), steps=1, delta=delta
     )
-    assert reported <= continuous * 1.01
+    # Close to the continuous Gaussian of the same σ (not below it in general: at σ = 1 the
+    # discrete one's ε is larger; see docs/discrete-noise.md).
+    assert reported == pytest.approx(continuous, rel=0.01)
 
 
 def chain_teachers(n, vocab=12):
