@@ -9,6 +9,7 @@ path (host-side discrete noise, chi-square with a fixed seed, p > 1e-4) and (b) 
 histogram and neighbour (one vote moved), and the same check with half the noise must fail.
 """
 
+import dataclasses
 import itertools
 import math
 
@@ -246,8 +247,47 @@ def test_generation_with_discrete_noise_follows_teachers_and_charges_discrete_ev
     assert result.delta == pytest.approx(1e-5 + result.num_queries * call_delta)
 
 
+def test_generation_confident_gnmax_discrete_law_and_zcdp_charge():
+    counts, threshold = (4, 2), 4.0
+    config = generation.GenerationConfig(
+        aggregator="confident_gnmax", threshold=threshold, sigma1=1.0, sigma2=1.0, noise="discrete"
+    )
+    # Exact law: FAIL iff 4 + z1 < T; else token 1 iff 2 + b > 4 + a (ties to token 0).
+    z = np.arange(-14, 15)
+    p = dn.discrete_gaussian_pmf(z, 1.0)
+    fail = p[z < 0].sum()
+    one = float(np.sum(np.outer(p, p)[(2 + z[None, :]) > (4 + z[:, None])]))
+    law = np.array([(1 - fail) * (1 - one), (1 - fail) * one, fail])
+    step = generation.make_step(config)
+    histogram = jnp.asarray(counts, jnp.int32)
+    keys = jax.random.split(jax.random.key(2), 3000)
+    outputs = np.array([int(step(k, lambda key, size: histogram[None])[0]) for k in keys])
+    observed = np.bincount(np.where(outputs == aggregators.FAIL, 2, outputs), minlength=3)
+    assert stats.chisquare(observed, law * outputs.size).pvalue > 1e-4
+    # The charge: the discrete Gaussians' zCDP, composed by RDP in the ledger.
+    config = dataclasses.replace(config, threshold=40.0, sigma1=5.0, sigma2=3.0, max_new_tokens=4)
+    result = generation.generate(chain_teachers(64), [3], config, key=jax.random.key(0))
+    assert result.tokens == [4, 5, 6, 7] and result.gnmax is None
+    rho = result.num_queries * (1 / (2 * 25) + 1 / 9)
+    event, _ = config.charge()
+    assert [e.rho for e in event.events] == [pytest.approx(1 / 50), pytest.approx(1 / 9)]
+    expected = privacy.epsilon(
+        privacy.dp_events.SelfComposedDpEvent(event, result.num_queries),
+        delta=1e-5,
+        accountant="rdp",
+    )
+    assert result.epsilon == pytest.approx(expected)
+    assert result.epsilon <= rho + 2 * math.sqrt(rho * math.log(1e5))  # zCDP -> (ε, δ)
+    pld = accounting.confident_gnmax_discrete_epsilon(5.0, 3.0, steps=4, delta=1e-5)
+    assert pld <= result.epsilon  # RDP of the zCDP bound is the looser of the two
+
+
 def test_generation_config_rejects_unsupported_discrete_settings():
     with pytest.raises(ValueError, match="noise must be"):
         generation.GenerationConfig(noise="exact")
-    with pytest.raises(ValueError, match="noise='discrete' applies"):
-        generation.GenerationConfig(aggregator="confident_gnmax", noise="discrete")
+    with pytest.raises(ValueError, match="release_order"):
+        generation.GenerationConfig(
+            aggregator="confident_gnmax", noise="discrete", release_order=8.0
+        )
+    with pytest.raises(ValueError, match=r"sigma1\*\*2"):
+        generation.GenerationConfig(aggregator="confident_gnmax", noise="discrete", sigma1=0.1)

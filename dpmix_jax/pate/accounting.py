@@ -37,6 +37,7 @@ __all__ = [
     "GNMaxReport",
     "PateLedger",
     "confident_gnmax_discrete_epsilon",
+    "confident_gnmax_discrete_event",
     "confident_gnmax_event",
     "confident_gnmax_report",
     "discrete_laplace_scale",
@@ -112,6 +113,25 @@ def dpws_discrete_event(epsilon: float) -> dp_accounting.DpEvent:
     return dpargmax_discrete_laplace_event(epsilon)
 
 
+def confident_gnmax_discrete_event(sigma1: float, sigma2: float) -> dp_accounting.DpEvent:
+    """One `confident_gnmax` call with discrete Gaussian noise, as its zCDP (for the ledger).
+
+    The discrete Gaussian with parameter σ² is ‖Δ‖²/(2σ²)-zCDP (CKS 2020, Theorem 4, summed over
+    independent coordinates): the check (Δ = 1) is 1/(2σ1²)-zCDP, the argmax (two counts moved
+    by 1) 1/σ2²-zCDP, as `ZCDpEvent`s, which dp-accounting's RDP accountant composes
+    (`PateLedger` switches to it); σi² are the exact Fractions of `sigma_i**2`, as sampled. The
+    tighter PLD value of the same calls is `confident_gnmax_discrete_epsilon`.
+    """
+    sigma1 = privacy.check_positive(sigma1, "sigma1")
+    sigma2 = privacy.check_positive(sigma2, "sigma2")
+    return dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.ZCDpEvent(discrete_noise.discrete_gaussian_rho(sigma1**2, (1,))),
+            dp_accounting.ZCDpEvent(discrete_noise.discrete_gaussian_rho(sigma2**2, (1, 1))),
+        ]
+    )
+
+
 def confident_gnmax_discrete_epsilon(
     sigma1: float, sigma2: float, *, steps: int, delta: float
 ) -> float:
@@ -146,7 +166,8 @@ class PateLedger:
     """What a PATE run executed: dp-accounting events, plus δ charged per call (DPWS).
 
     The reported guarantee of everything recorded is (ε, δ + extra_delta) with ε the events'
-    composition at δ (PLD). `state_dict()` / `from_state_dict()` make it checkpointable.
+    composition at δ (PLD; RDP when a `ZCDpEvent` was recorded, which PLD does not take).
+    `state_dict()` / `from_state_dict()` make it checkpointable.
     """
 
     events: privacy.PrivacyLedger = dataclasses.field(default_factory=privacy.PrivacyLedger)
@@ -189,7 +210,8 @@ class PateLedger:
         Privacy: a total δ >= 1/n allows publishing one of the n units in the clear.
         """
         delta = privacy.check_delta(delta)
-        eps = self.events.epsilon(delta) if self.events.entries else 0.0
+        zcdp = any(_contains_zcdp(event) for event, _ in self.events.entries)
+        eps = self.events.epsilon(delta, "rdp" if zcdp else "pld") if self.events.entries else 0.0
         total = delta + self.extra_delta
         if total >= 1:
             raise ValueError(f"the accumulated δ ({total}) is >= 1: no guarantee.")
@@ -212,6 +234,17 @@ class PateLedger:
         """Restores a ledger written by `state_dict()`."""
         events = privacy.PrivacyLedger.from_state_dict(state["events"])
         return cls(events=events, extra_delta=float(state["extra_delta"]))
+
+
+def _contains_zcdp(event: dp_accounting.DpEvent) -> bool:
+    """Whether `event` is or contains a `ZCDpEvent` (accounted by RDP, not PLD)."""
+    if isinstance(event, dp_accounting.ZCDpEvent):
+        return True
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_contains_zcdp(e) for e in event.events)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _contains_zcdp(event.event)
+    return False
 
 
 # --------------------------------------------------------------------------------------------

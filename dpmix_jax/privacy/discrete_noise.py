@@ -53,6 +53,7 @@ from dpmix_jax.privacy import accounting, randomness
 __all__ = [
     "as_fraction",
     "bernoulli_exp",
+    "check_sigma2",
     "discrete_gaussian",
     "discrete_gaussian_epsilon",
     "discrete_gaussian_pld",
@@ -222,18 +223,25 @@ def discrete_laplace(
     return _discrete_laplace_exact(rng, math.prod(shape), scale).reshape(shape)
 
 
-def _sigma2_terms(sigma2: numbers.Real | Fraction) -> tuple[int, int, int]:
+def _sigma2_terms(sigma2: numbers.Real | Fraction, name: str = "sigma2") -> tuple[int, int, int]:
     """(p, q, t) for σ² = p/q and t = ⌊σ⌋ + 1, checked so that 2·p·q·t² fits int64."""
-    fraction = as_fraction(sigma2, "sigma2")
+    fraction = as_fraction(sigma2, name)
     p, q = fraction.numerator, fraction.denominator
     t = math.isqrt(p // q) + 1
     if 2 * p * q * t * t > _INT64_MAX:
         raise ValueError(
-            f"sigma2 = {sigma2!r} (the fraction {fraction}) is too large or has too large a "
+            f"{name} = {sigma2!r} (the fraction {fraction}) is too large or has too large a "
             "denominator for exact int64 arithmetic (need 2·p·q·(⌊σ⌋+1)² < 2**63); pass a "
             "Fraction with a small denominator."
         )
     return p, q, t
+
+
+def check_sigma2(sigma2: numbers.Real | Fraction, name: str = "sigma2") -> Fraction:
+    """σ² as the exact Fraction the discrete Gaussian sampler uses, or a ValueError naming
+    `name` when it is not > 0 or too large for its int64 arithmetic."""
+    p, q, _ = _sigma2_terms(sigma2, name)
+    return Fraction(p, q)
 
 
 def discrete_gaussian(
@@ -348,8 +356,7 @@ def discrete_laplace_event(
 
 def _check_sensitivities(sensitivities: tuple[int, ...]) -> list[int]:
     if not sensitivities or any(
-        isinstance(d, bool) or not isinstance(d, numbers.Integral) or d == 0
-        for d in sensitivities
+        isinstance(d, bool) or not isinstance(d, numbers.Integral) or d == 0 for d in sensitivities
     ):
         raise ValueError(
             f"sensitivities must be non-zero integers (one per changed coordinate), got "
