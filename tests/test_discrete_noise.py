@@ -223,3 +223,13 @@ def test_discrete_gaussian_rho_bounds_exact_renyi_divergence(sigma2):
         per_coordinate = float(log_moment) / (order - 1)
         assert 2 * per_coordinate <= order * rho + 1e-12
         assert 2 * per_coordinate >= 0.5 * order * rho  # the bound is not loose by much
+
+
+def test_python_integer_bernoulli_exp_of_the_overflow_path():
+    # The discrete Gaussian's path for |Y| too large for int64 squares (astronomically rare).
+    rng = np.random.default_rng(6)
+    # num beyond int64, den below 2**63 as there (checked by `_sigma2_terms`); γ ≈ 1.5 and 2.
+    for num, den in [(3, 2), (2**63 + 12345, 2**62 - 1)]:
+        hits = np.array([dn._bernoulli_exp_python(rng, num, den) for _ in range(20_000)])
+        target = math.exp(-num / den)
+        assert abs(hits.mean() - target) <= Z * math.sqrt(target * (1 - target) / hits.size)
