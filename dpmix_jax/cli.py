@@ -40,6 +40,7 @@ EXPERIMENTS = {
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
+    "discrete_noise": "exact discrete noise for vote counts: sampler speed, ε vs continuous noise",
     "bench_grads": "per-example gradient throughput against non-private steps and Opacus",
 }
 

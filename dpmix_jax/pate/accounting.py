@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 
 import dp_accounting
@@ -29,14 +30,20 @@ import numpy as np
 from scipy import special, stats
 
 from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import discrete_noise
 
 __all__ = [
     "DEFAULT_ORDERS",
     "GNMaxReport",
     "PateLedger",
+    "confident_gnmax_discrete_epsilon",
+    "confident_gnmax_discrete_event",
     "confident_gnmax_event",
     "confident_gnmax_report",
+    "discrete_laplace_scale",
+    "dpargmax_discrete_laplace_event",
     "dpargmax_laplace_event",
+    "dpws_discrete_event",
     "dpws_event",
     "epsilon_of_steps",
     "gnmax_log_q",
@@ -85,6 +92,68 @@ def dpws_event(epsilon: float) -> dp_accounting.DpEvent:
     return dp_accounting.LaplaceDpEvent(1.0 / privacy.check_epsilon(epsilon))
 
 
+def discrete_laplace_scale(epsilon: float) -> fractions.Fraction:
+    """The discrete Laplace scale 2/ε of DPARGMAX and DPWS, as the exact Fraction of the float
+    2/ε: the noise is drawn (`privacy.discrete_noise.discrete_laplace`) and accounted at it."""
+    return discrete_noise.as_fraction(2.0 / privacy.check_epsilon(epsilon), "2/epsilon")
+
+
+def dpargmax_discrete_laplace_event(epsilon: float) -> dp_accounting.DpEvent:
+    """One `dpargmax_laplace` call with discrete Laplace noise of scale t = 2/ε.
+
+    A vote move changes two coordinates by 1 each: two discrete Laplace mechanisms of parameter
+    1/t and sensitivity 1 (`DiscreteLaplaceDpEvent`), at most ε-DP (pure) together.
+    """
+    return discrete_noise.discrete_laplace_event(discrete_laplace_scale(epsilon), (1, 1))
+
+
+def dpws_discrete_event(epsilon: float) -> dp_accounting.DpEvent:
+    """The discrete Laplace part of one `dpws` call with discrete noise (`dpws_event`'s argument
+    with the discrete Laplace); its δ per call is the same and is charged separately."""
+    return dpargmax_discrete_laplace_event(epsilon)
+
+
+def confident_gnmax_discrete_event(sigma1: float, sigma2: float) -> dp_accounting.DpEvent:
+    """One `confident_gnmax` call with discrete Gaussian noise, as its zCDP (for the ledger).
+
+    The discrete Gaussian with parameter σ² is ‖Δ‖²/(2σ²)-zCDP (CKS 2020, Theorem 4, summed over
+    independent coordinates): the check (Δ = 1) is 1/(2σ1²)-zCDP, the argmax (two counts moved
+    by 1) 1/σ2²-zCDP, as `ZCDpEvent`s, which dp-accounting's RDP accountant composes
+    (`PateLedger` switches to it); σi² are the exact Fractions of `sigma_i**2`, as sampled. The
+    tighter PLD value of the same calls is `confident_gnmax_discrete_epsilon`.
+    """
+    sigma1 = privacy.check_positive(sigma1, "sigma1")
+    sigma2 = privacy.check_positive(sigma2, "sigma2")
+    return dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.ZCDpEvent(discrete_noise.discrete_gaussian_rho(sigma1**2, (1,))),
+            dp_accounting.ZCDpEvent(discrete_noise.discrete_gaussian_rho(sigma2**2, (1, 1))),
+        ]
+    )
+
+
+def confident_gnmax_discrete_epsilon(
+    sigma1: float, sigma2: float, *, steps: int, delta: float
+) -> float:
+    """ε at `delta` of `steps` `confident_gnmax` calls with discrete Gaussian noise.
+
+    Per call: the threshold check on max_j c_j (sensitivity 1) with parameter σ1², and the
+    noisy argmax (two coordinates changing by 1) with σ2², composed; dp-accounting's discrete
+    Gaussian privacy loss distributions (`privacy.discrete_noise.discrete_gaussian_pld`). σ1²
+    and σ2² are the exact Fractions of the floats `sigma1**2`, `sigma2**2`, as sampled.
+    """
+    sigma1 = privacy.check_positive(sigma1, "sigma1")
+    sigma2 = privacy.check_positive(sigma2, "sigma2")
+    delta = privacy.check_delta(delta)
+    steps = privacy.check_steps(steps)
+    check = discrete_noise.discrete_gaussian_pld(sigma1**2, (1,))
+    argmax = discrete_noise.discrete_gaussian_pld(sigma2**2, (1, 1))
+    pld = check.compose(argmax)
+    if steps > 1:
+        pld = pld.self_compose(steps)
+    return float(pld.get_epsilon_for_delta(delta))
+
+
 def epsilon_of_steps(event: dp_accounting.DpEvent, *, steps: int, delta: float) -> float:
     """ε at `delta` of `steps` adaptive repetitions of `event` (dp-accounting PLD)."""
     ledger = privacy.PrivacyLedger()
@@ -97,7 +166,8 @@ class PateLedger:
     """What a PATE run executed: dp-accounting events, plus δ charged per call (DPWS).
 
     The reported guarantee of everything recorded is (ε, δ + extra_delta) with ε the events'
-    composition at δ (PLD). `state_dict()` / `from_state_dict()` make it checkpointable.
+    composition at δ (PLD; RDP when a `ZCDpEvent` was recorded, which PLD does not take).
+    `state_dict()` / `from_state_dict()` make it checkpointable.
     """
 
     events: privacy.PrivacyLedger = dataclasses.field(default_factory=privacy.PrivacyLedger)
@@ -140,7 +210,8 @@ class PateLedger:
         Privacy: a total δ >= 1/n allows publishing one of the n units in the clear.
         """
         delta = privacy.check_delta(delta)
-        eps = self.events.epsilon(delta) if self.events.entries else 0.0
+        zcdp = any(_contains_zcdp(event) for event, _ in self.events.entries)
+        eps = self.events.epsilon(delta, "rdp" if zcdp else "pld") if self.events.entries else 0.0
         total = delta + self.extra_delta
         if total >= 1:
             raise ValueError(f"the accumulated δ ({total}) is >= 1: no guarantee.")
@@ -163,6 +234,17 @@ class PateLedger:
         """Restores a ledger written by `state_dict()`."""
         events = privacy.PrivacyLedger.from_state_dict(state["events"])
         return cls(events=events, extra_delta=float(state["extra_delta"]))
+
+
+def _contains_zcdp(event: dp_accounting.DpEvent) -> bool:
+    """Whether `event` is or contains a `ZCDpEvent` (accounted by RDP, not PLD)."""
+    if isinstance(event, dp_accounting.ZCDpEvent):
+        return True
+    if isinstance(event, dp_accounting.ComposedDpEvent):
+        return any(_contains_zcdp(e) for e in event.events)
+    if isinstance(event, dp_accounting.SelfComposedDpEvent):
+        return _contains_zcdp(event.event)
+    return False
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,12 @@ so it is an output of the mechanism.
 All functions are pure and jittable on one histogram; `jax.vmap` them over many. Their exact
 output distributions are checked by enumeration in the tests.
 
+Exact discrete noise: the noisy aggregators take an optional `noise` argument, integer noise of
+the same scale drawn host-side by `dpmix_jax.privacy.discrete_noise` (discrete Laplace for
+DPARGMAX and DPWS, discrete Gaussian for confident-GNMax), which replaces their floating-point
+draw; the noisy counts are then integers, compared exactly (ties go to the smallest id). Their
+accounting is in `pate.accounting` (`*_discrete_*`).
+
 Example:
     >>> import jax.numpy as jnp
     >>> int(targmax(jnp.array([1, 5, 2]), 4)), int(targmax(jnp.array([1, 3, 4]), 5))
@@ -93,7 +99,12 @@ def _weighted_sample(key: jax.Array, weights: jax.Array, floor: jax.Array) -> ja
 
 
 def dpargmax_laplace(
-    key: jax.Array, counts: jax.Array, threshold: float, epsilon: float
+    key: jax.Array,
+    counts: jax.Array,
+    threshold: float,
+    epsilon: float,
+    *,
+    noise: jax.Array | None = None,
 ) -> jax.Array:
     """DPARGMAX (Laplace): ĉ = c + Lap(2/ε)^V; output argmax ĉ if its noisy count >= T, else FAIL.
 
@@ -101,18 +112,31 @@ def dpargmax_laplace(
     mechanism with L1 sensitivity 2 and scale 2/ε, and the output is a function of it. Choose
     T >= n/2 + (2/ε)·ln(V/η) for zero-vote tokens to pass with probability <= η.
 
+    `noise`: `(V,)` integer discrete Laplace noise of scale 2/ε (`privacy.discrete_noise.
+    discrete_laplace`) used instead of the float draw (`key` is then unused); the call is then
+    the discrete Laplace mechanism on the two coordinates one vote move changes, also ε-DP
+    (`accounting.dpargmax_discrete_laplace_event`).
+
     Privacy:
-        Reads the (sensitive) histogram; its output is ε-DP as stated above. `key` must be secret
-        and fresh per call.
+        Reads the (sensitive) histogram; its output is ε-DP as stated above. `key` (or `noise`)
+        must be secret and fresh per call.
     """
     counts = _counts(counts)
-    noisy = counts + (2.0 / epsilon) * jax.random.laplace(key, counts.shape, jnp.float32)
+    if noise is None:
+        noise = (2.0 / epsilon) * jax.random.laplace(key, counts.shape, jnp.float32)
+    noisy = counts + noise
     top = jnp.argmax(noisy)
     return jnp.where(noisy[top] >= threshold, top, FAIL).astype(jnp.int32)
 
 
 def confident_gnmax(
-    key: jax.Array, counts: jax.Array, threshold: float, sigma1: float, sigma2: float
+    key: jax.Array,
+    counts: jax.Array,
+    threshold: float,
+    sigma1: float,
+    sigma2: float,
+    *,
+    noise: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Confident-GNMax (Papernot et al. 2018): noisy threshold check, then Gaussian noisy argmax.
 
@@ -122,22 +146,44 @@ def confident_gnmax(
     √2, so the call is the composition of a Gaussian mechanism with noise multiplier σ1 and one
     with σ2/√2: RDP(λ) = λ/(2σ1²) + λ/σ2² (see `pate.accounting.confident_gnmax_event`).
 
+    `noise`: `(check (), argmax (V,))` integer discrete Gaussian noise of parameters σ1², σ2²
+    (`privacy.discrete_noise.discrete_gaussian`) used instead of the float draws (`key` is then
+    unused); its ε is `accounting.confident_gnmax_discrete_epsilon` (the same zCDP as above).
+
     Privacy:
-        Reads the (sensitive) histogram; output DP as stated above. `key` must be secret and fresh.
+        Reads the (sensitive) histogram; output DP as stated above. `key` (or `noise`) must be
+        secret and fresh.
     """
     counts = _counts(counts)
-    key_check, key_argmax = jax.random.split(key)
-    counts = counts.astype(jnp.float32)
-    passed = jnp.max(counts) + sigma1 * jax.random.normal(key_check, (), jnp.float32) >= threshold
-    top = jnp.argmax(counts + sigma2 * jax.random.normal(key_argmax, counts.shape, jnp.float32))
+    if noise is None:
+        key_check, key_argmax = jax.random.split(key)
+        counts = counts.astype(jnp.float32)
+        noise = (
+            sigma1 * jax.random.normal(key_check, (), jnp.float32),
+            sigma2 * jax.random.normal(key_argmax, counts.shape, jnp.float32),
+        )
+    check_noise, argmax_noise = noise
+    passed = jnp.max(counts) + check_noise >= threshold
+    top = jnp.argmax(counts + argmax_noise)
     return jnp.where(passed, top, FAIL).astype(jnp.int32)
 
 
-def dpws_threshold(epsilon: float, delta: float) -> float:
-    """DPWS's keep threshold 1 + (2/ε)·ln(1/δ): a token with one vote passes w.p. <= δ/2."""
+def dpws_threshold(epsilon: float, delta: float, *, discrete: bool = False) -> float:
+    """DPWS's keep threshold: a token with one vote passes with probability <= δ/2.
+
+    Continuous Laplace(2/ε): 1 + (2/ε)·ln(1/δ). Discrete Laplace(2/ε) (`discrete=True`), where
+    Pr[Z >= k] = e^(-ak)/(1 + e^(-a)) for integers k >= 1 and a = ε/2: the integer 1 + k with
+    the smallest k such that e^(-ak)/(1 + e^(-a)) <= δ/2.
+    """
     if not epsilon > 0 or not 0 < delta < 1:
         raise ValueError(f"need epsilon > 0 and 0 < delta < 1, got {epsilon!r}, {delta!r}.")
-    return 1.0 + (2.0 / epsilon) * math.log(1.0 / delta)
+    if not discrete:
+        return 1.0 + (2.0 / epsilon) * math.log(1.0 / delta)
+    rate = epsilon / 2
+    steps = max(1, math.ceil(math.log(2 / (delta * (1 + math.exp(-rate)))) / rate))
+    while math.exp(-rate * steps) / (1 + math.exp(-rate)) > delta / 2:  # float rounding
+        steps += 1
+    return float(1 + steps)
 
 
 def dpws(
@@ -148,6 +194,7 @@ def dpws(
     gamma: float,
     *,
     threshold: float = 0.0,
+    noise: jax.Array | None = None,
 ) -> jax.Array:
     """DPWS: noisy counts on the support, stability threshold, then TWS on the noisy counts.
 
@@ -160,12 +207,21 @@ def dpws(
     leaving the support is kept with probability <= δ/2 each, giving δ in total. The TWS step
     only post-processes the released (K, ĉ_K).
 
+    `noise`: `(V,)` integer discrete Laplace noise of scale 2/ε (`privacy.discrete_noise.
+    discrete_laplace`) used instead of the float draw, with the keep threshold
+    `dpws_threshold(ε, δ, discrete=True)`; the same argument gives (ε, δ)-DP per call
+    (`accounting.dpws_discrete_event`). `key` still draws the final weighted sample.
+
     Privacy:
-        Reads the (sensitive) histogram; output DP as stated above. `key` must be secret and fresh.
+        Reads the (sensitive) histogram; output DP as stated above. `key` (and `noise`) must be
+        secret and fresh.
     """
     counts = _counts(counts)
-    keep_at = max(dpws_threshold(epsilon, delta), float(threshold))
+    discrete = noise is not None
+    keep_at = max(dpws_threshold(epsilon, delta, discrete=discrete), float(threshold))
     key_noise, key_sample = jax.random.split(key)
-    noisy = counts + (2.0 / epsilon) * jax.random.laplace(key_noise, counts.shape, jnp.float32)
+    if noise is None:
+        noise = (2.0 / epsilon) * jax.random.laplace(key_noise, counts.shape, jnp.float32)
+    noisy = counts + noise
     kept = jnp.where((counts > 0) & (noisy >= keep_at), noisy, 0.0)
     return _weighted_sample(key_sample, kept, jnp.sum(counts) / gamma)

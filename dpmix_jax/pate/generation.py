@@ -24,7 +24,7 @@ import numpy as np
 
 from dpmix_jax.pate import accounting, aggregators, samplers, smooth_sensitivity
 from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
+from dpmix_jax.privacy import discrete_noise, randomness
 
 __all__ = [
     "GenerationConfig",
@@ -85,6 +85,11 @@ class GenerationConfig:
         release_noise_multiplier: σ_s of that release (noise = σ_s · smooth sensitivity).
         release_beta: its smoothness β < 1/(2λ) (None: 0.49/λ); `smooth_sensitivity.
             choose_release` picks (λ, β, σ_s) from public inputs.
+        noise: "continuous" (float Laplace / Gaussian drawn by JAX) or "discrete": exact noise
+            on the integer vote counts, drawn host-side with integer arithmetic only
+            (`privacy.discrete_noise`): discrete Laplace of scale 2/ε for "dpws" and
+            "dpargmax_laplace", discrete Gaussians of parameters σ1², σ2² for
+            "confident_gnmax" (charged by their zCDP; no data-dependent analysis).
     """
 
     sampler: Literal["coordinated", "independent"] = "coordinated"
@@ -106,6 +111,7 @@ class GenerationConfig:
     release_order: float | None = None
     release_noise_multiplier: float = 1.0
     release_beta: float | None = None
+    noise: Literal["continuous", "discrete"] = "continuous"
 
     def __post_init__(self):
         if self.sampler not in ("coordinated", "independent"):
@@ -143,15 +149,32 @@ class GenerationConfig:
                     f"release_beta must be in (0, 1/(2·release_order)), got {self.release_beta!r}."
                 )
         privacy.check_positive(self.release_noise_multiplier, "release_noise_multiplier")
+        if self.noise not in ("continuous", "discrete"):
+            raise ValueError(f"noise must be 'continuous' or 'discrete', got {self.noise!r}.")
+        if self.noise == "discrete" and self.aggregator == "confident_gnmax":
+            if self.release_order is not None:
+                raise ValueError(
+                    "release_order (the data-dependent analysis) needs noise='continuous'."
+                )
+            discrete_noise.check_sigma2(self.sigma1**2, "sigma1**2")
+            discrete_noise.check_sigma2(self.sigma2**2, "sigma2**2")
+        elif self.noise == "discrete":
+            accounting.discrete_laplace_scale(self.epsilon)  # 2/ε must be an int64 fraction
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop_sequences must not contain an empty sequence.")
 
     def charge(self) -> tuple:
         """(dp-accounting event, extra δ) of one aggregator call."""
+        discrete = self.noise == "discrete"
         if self.aggregator == "dpws":
-            return accounting.dpws_event(self.epsilon), self.delta
+            event = accounting.dpws_discrete_event if discrete else accounting.dpws_event
+            return event(self.epsilon), self.delta
         if self.aggregator == "dpargmax_laplace":
+            if discrete:
+                return accounting.dpargmax_discrete_laplace_event(self.epsilon), 0.0
             return accounting.dpargmax_laplace_event(self.epsilon), 0.0
+        if discrete:
+            return accounting.confident_gnmax_discrete_event(self.sigma1, self.sigma2), 0.0
         return accounting.confident_gnmax_event(self.sigma1, self.sigma2), 0.0
 
 
@@ -235,9 +258,30 @@ def make_step(config: GenerationConfig) -> Callable[[jax.Array, samplers.Draw], 
     def step(key, draw):
         key_hist, key_agg = jax.random.split(key)
         histogram = draw(key_hist, 1)[0]
+        if config.noise == "discrete":
+            key_agg, key_noise = jax.random.split(key_agg)
+            noise = _discrete_noise(config, key_noise, histogram.shape[0])
+            return aggregate(key_agg, histogram, noise=noise), histogram
         return aggregate(key_agg, histogram), histogram
 
     return step
+
+
+def _discrete_noise(config: GenerationConfig, key: jax.Array, size: int):
+    """The exact integer noise of one aggregator call on `size` counts, drawn host-side by a
+    numpy Generator seeded with 128 bits of `key`: discrete Laplace of scale 2/ε (`(size,)`),
+    or for confident-GNMax the discrete Gaussian pair (check `()`, argmax `(size,)`).
+
+    Privacy: as secret as `key` (a secret key in an unseeded run).
+    """
+    words = np.asarray(jax.random.bits(key, (4,), jnp.uint32))
+    rng = np.random.default_rng([int(w) for w in words])
+    if config.aggregator == "confident_gnmax":
+        check = discrete_noise.discrete_gaussian((), config.sigma1**2, rng)
+        argmax = discrete_noise.discrete_gaussian(size, config.sigma2**2, rng)
+        return jnp.asarray(check, jnp.int32), jnp.asarray(argmax, jnp.int32)
+    scale = accounting.discrete_laplace_scale(config.epsilon)
+    return jnp.asarray(discrete_noise.discrete_laplace(size, scale, rng), jnp.int32)
 
 
 def prepare_sampler(config: GenerationConfig, logits: jax.Array) -> samplers.Draw:
@@ -312,7 +356,7 @@ def generate(
             ledger.record(event, delta=call_delta)
             num_queries += 1
             num_failed += token == aggregators.FAIL
-            if config.aggregator == "confident_gnmax":
+            if config.aggregator == "confident_gnmax" and config.noise == "continuous":
                 histograms.append(np.asarray(histogram))
                 answered.append(token != aggregators.FAIL)
             if token != aggregators.FAIL:
