@@ -19,6 +19,7 @@ import scipy.linalg
 from dp_accounting.rdp import RdpAccountant
 from flax import nnx
 
+from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.privacy import audit, correlated_noise, cyclic_sampling, noise, sampling
 from dpmix_jax.privacy.plan import DpSgdConfig, plan_dp_sgd
 from dpmix_jax.train import Checkpointer, engine, losses
@@ -531,3 +532,97 @@ def test_private_optimizer_takes_the_strategy():
     expected, _ = replay.update(jnp.ones(3), replay.init(jnp.zeros(3)))
     updates, _ = optimizer.update(jnp.ones(3), state, jnp.zeros(3))
     np.testing.assert_allclose(updates, -expected / 2.0, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------ DP-MixMin
+
+PREDS = np.random.default_rng(3).uniform(0.05, 0.95, size=(400, 5))
+MIXMIN = dict(delta=1e-5, steps=30, batch_size=40, clip_norm=1.0, learning_rate=1.0, seed=0)
+
+
+def test_one_band_dp_mixmin_is_unchanged_bit_for_bit():
+    for level in ({}, {"user_ids": np.arange(400) // 4, "max_examples_per_user": 2}):
+        settings = {**MIXMIN, **level, "batch_size": 10 if level else 40}
+        bandmf = solvers.dp_mixmin(PREDS, noise_multiplier=1.1, noise="bandmf", bands=1, **settings)
+        dp_sgd = solvers.dp_mixmin(PREDS, noise_multiplier=1.1, **settings)
+        assert bandmf.history.tobytes() == dp_sgd.history.tobytes()
+        assert bandmf.epsilon == dp_sgd.epsilon and bandmf.ledger.count == 30
+
+
+def test_dp_mixmin_bandmf_epsilon_is_dp_sgd_over_the_cycles():
+    result = solvers.dp_mixmin(
+        PREDS, noise_multiplier=1.1, noise="bandmf", bands=4, accountant="rdp", **MIXMIN
+    )
+    assert result.sampling_rate == pytest.approx(4 * 40 / 400)
+    assert result.expected_batch_size == pytest.approx(40)
+    assert result.ledger.count == 8  # ceil(30 / 4)
+    direct = _direct_rdp_epsilon(1.1, 0.4, 8, 1e-5)
+    assert result.epsilon == pytest.approx(direct, rel=1e-12)
+    assert (result.noise, result.bands) == ("bandmf", 4)
+    calibrated = solvers.dp_mixmin(PREDS, epsilon=2.0, noise="bandmf", bands=3, **MIXMIN)
+    assert calibrated.epsilon <= 2.0 + 1e-9
+
+
+def test_mirror_descent_noise_is_the_inverse_strategy_of_the_draws():
+    # No unit in any batch: the logits move by -η/b·w_t only, so log λ_t - log λ_t[0] is the
+    # running sum of the correlated noise (the softmax ignores the shift by the max).
+    steps, k, sigma, clip, lr, b = 6, 5, 0.8, 2.0, 0.5, 10.0
+    strategy = correlated_noise.sqrt_prefix_sum(3)
+    examples = objectives.prepare_examples(PREDS[:8, :k], kind="nll")
+    batches = jnp.zeros((steps, 4), jnp.int32)
+    key = jax.random.key(4)
+    trace = solvers.run_mirror_descent(
+        examples, batches, jnp.zeros((steps, 4), bool), key, kind="nll", clip_norm=clip,
+        noise_multiplier=sigma, expected_batch_size=b, learning_rate=lr,
+        strategy=strategy.coefficients,
+    )  # fmt: skip
+    draws = np.stack(
+        [
+            noise.gaussian_noise_tree(step_key, jnp.zeros(k), sigma * clip)
+            for step_key in jax.random.split(key, steps)
+        ]
+    ).astype(np.float64)
+    w = scipy.linalg.solve_triangular(strategy.strategy_matrix(steps), draws, lower=True)
+    expected = -lr / b * np.cumsum(w, axis=0)
+    logs = np.log(np.asarray(trace.history, np.float64))
+    np.testing.assert_allclose(logs - logs[:, :1], expected - expected[:, :1], rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+def test_demo_noise_flags_reach_the_finetune_and_mixture_configs(monkeypatch, tmp_path):
+    from dpmix_jax import cli, pipeline
+
+    seen = {}
+
+    def fake_comparison(stages, **kwargs):
+        seen["config"] = stages.config
+        (kwargs["out_dir"] / "results.md").write_text("")
+        return {"runs": []}
+
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    argv = ["demo", "--noise", "bandmf", "--bands", "4", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    config = seen["config"]
+    assert (config.finetune.noise, config.finetune.bands) == ("bandmf", 4)
+    assert (config.mixture.noise, config.mixture.bands) == ("bandmf", 4)
+    assert cli.main(["demo", "--out", str(tmp_path / "default")]) == 0
+    assert seen["config"].finetune.noise == "independent" and seen["config"].mixture.bands is None
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--bands", "3"], "bands is for noise='bandmf'"),
+        (["--noise", "bandmf"], "needs bands"),
+        (["--noise", "bandmf", "--bands", "100000"], "bands must be <= steps"),
+    ],
+)
+def test_demo_noise_flags_are_checked_before_any_work(flags, message, capsys):
+    from dpmix_jax import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -150,6 +150,32 @@ def amplified_bandmf_event(
     )
 
 
+def correlate(
+    draw: PyTree, history: tuple[PyTree, ...], strategy: BandedToeplitzStrategy
+) -> tuple[PyTree, tuple[PyTree, ...]]:
+    """One step of W = C⁻¹Z: w_t = (z_t - Σ_{j=1}^{b-1} c_j w_{t-j}) / c_0, and the new history.
+
+    Args:
+        draw: z_t, a pytree of Gaussian draws.
+        history: (w_{t-1}, ..., w_{t-b+1}), newest first, zeros before the first step.
+        strategy: C.
+
+    Returns:
+        (w_t, (w_t, ..., w_{t-b+2})). With one band and c_0 = 1, w_t is `draw` itself.
+
+    Privacy: post-processing of the Gaussian draws; the noise is as secret as they are.
+    """
+    lead, *rest = strategy.coefficients
+    if len(history) != len(rest):
+        raise ValueError(f"history holds {len(history)} vectors, the strategy needs {len(rest)}.")
+    noise = draw
+    for coefficient, past in zip(rest, history, strict=True):
+        noise = jax.tree.map(lambda w, p, c=coefficient: w - c * p, noise, past)
+    if lead != 1.0:
+        noise = jax.tree.map(lambda w: w / lead, noise)
+    return noise, ((noise, *history[:-1]) if rest else ())
+
+
 class CorrelatedNoiseState(NamedTuple):
     """The secret key of the next draw, the last b - 1 noise vectors (newest first), and the
     secret key of the run's cyclic partition (`partition_key_bytes`), kept here so that a
@@ -198,7 +224,7 @@ def add_correlated_noise(
         raise ValueError(f"stddev must be >= 0, got {stddev!r}.")
     if not isinstance(strategy, BandedToeplitzStrategy):
         raise ValueError(f"strategy must be a BandedToeplitzStrategy, got {strategy!r}.")
-    lead, *rest = strategy.coefficients
+    rest = strategy.coefficients[1:]
 
     def init_fn(params: PyTree) -> CorrelatedNoiseState:
         zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), sum_dtype(p.dtype)), params)
@@ -212,13 +238,9 @@ def add_correlated_noise(
     def update_fn(updates: PyTree, state: CorrelatedNoiseState, params: PyTree = None):
         del params
         next_key, noise_key = jax.random.split(state.key)
-        noise = independent_noise.gaussian_noise_tree(noise_key, updates, stddev)
-        for coefficient, past in zip(rest, state.history, strict=True):
-            noise = jax.tree.map(lambda w, p, c=coefficient: w - c * p, noise, past)
-        if lead != 1.0:
-            noise = jax.tree.map(lambda w: w / lead, noise)
+        draw = independent_noise.gaussian_noise_tree(noise_key, updates, stddev)
+        noise, history = correlate(draw, state.history, strategy)
         wide = jax.tree.map(lambda u, n: u.astype(n.dtype), updates, noise)
-        history = (noise, *state.history[:-1]) if rest else ()
         new_state = CorrelatedNoiseState(next_key, history, state.partition_key)
         return optax.tree.add(wide, noise), new_state
 

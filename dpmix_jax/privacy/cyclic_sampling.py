@@ -92,9 +92,20 @@ class CyclicPoissonSampler:
 
         Privacy: the batch depends on the sensitive data; use it only inside an accounted step.
         """
+        return pad_indices(self._sample_indices(rng, parts, step), self.pad_multiple)
+
+    def _sample_indices(self, rng: np.random.Generator, parts: np.ndarray, step: int):
         active = _active_units(parts, self.bands, step)
         chosen = self._poisson().sample_indices(rng, len(active)) if len(active) else []
-        return pad_indices(active[chosen], self.pad_multiple)
+        return active[chosen]
+
+    def sample_steps(self, rng: np.random.Generator, parts: np.ndarray, steps: int) -> IndexBatch:
+        """The batches of steps 0 .. steps - 1 stacked to one static shape `(steps, B)` (B: the
+        largest batch rounded up to `pad_multiple`), as `PoissonSampler.sample_steps`."""
+        batches = [self._sample_indices(rng, parts, step) for step in range(steps)]
+        size = padded_size(max(len(b) for b in batches), self.pad_multiple)
+        padded = [pad_indices(b, self.pad_multiple, size) for b in batches]
+        return IndexBatch(np.stack([p.indices for p in padded]), np.stack([p.mask for p in padded]))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,12 +149,24 @@ class CyclicUserPoissonSampler:
 
         Privacy: the batch depends on the sensitive data; use it only inside an accounted step.
         """
+        chosen, rows = self._sample_users(rng, users, parts, step)
+        return self._poisson()._pad(chosen, rows, padded_size(len(chosen), self.pad_multiple))
+
+    def _sample_users(self, rng, users, parts, step) -> tuple[np.ndarray, np.ndarray]:
         if len(parts) != len(users):
             raise ValueError(f"parts has {len(parts)} entries for {len(users)} users.")
         active = _active_units(parts, self.bands, step)
-        poisson = self._poisson()
         if not len(active):
-            empty = np.zeros((0, self.max_examples_per_user), np.int64)
-            return poisson._pad(active, empty, self.pad_multiple)
-        chosen, rows = poisson._sample_users(rng, [users[u] for u in active])
-        return poisson._pad(active[chosen], rows, padded_size(len(chosen), self.pad_multiple))
+            return active, np.zeros((0, self.max_examples_per_user), np.int64)
+        chosen, rows = self._poisson()._sample_users(rng, [users[u] for u in active])
+        return active[chosen], rows
+
+    def sample_steps(
+        self, rng: np.random.Generator, users: list[np.ndarray], parts: np.ndarray, steps: int
+    ) -> UserBatch:
+        """The user batches of steps 0 .. steps - 1 stacked to `(steps, U, G)`, as
+        `UserPoissonSampler.sample_steps`."""
+        draws = [self._sample_users(rng, users, parts, step) for step in range(steps)]
+        size = padded_size(max(len(c) for c, _ in draws), self.pad_multiple)
+        padded = [self._poisson()._pad(c, r, size) for c, r in draws]
+        return UserBatch(*(np.stack(parts) for parts in zip(*padded, strict=True)))
