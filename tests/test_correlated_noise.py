@@ -7,6 +7,7 @@ uninterrupted run for a resumed one, and a one-run audit with and without noise.
 """
 
 import itertools
+import json
 import math
 
 import dp_accounting
@@ -626,3 +627,26 @@ def test_demo_noise_flags_are_checked_before_any_work(flags, message, capsys):
         cli.main(["demo", *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the experiment
+
+
+@pytest.mark.slow
+def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
+    from experiments import correlated_noise as study
+
+    config = study.CorrelatedNoiseConfig(
+        bands=(2,), epsilons=(2.0,), seeds=(0,), finetune_steps=4, mixmin_examples=500,
+        mixmin_steps=6, mixmin_batch_size=50, bench_size=1000, bench_repeats=2,
+    )  # fmt: skip
+    results = study.main(config, tmp_path, reproducible=True)
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert stored["noise_seeded"] is True and stored["provenance"]["command"]
+    assert [r["mechanism"] for r in stored["mixmin"]] == ["DP-SGD", "BandMF b=2"]
+    for row in stored["finetune"] + stored["mixmin"]:
+        assert row["max_spent_epsilon"] <= 2.0 + 1e-9
+        assert row["max_spent_epsilon"] > 1.5  # calibrated to the target, not far below it
+    assert [r["state_copies"] for r in results["noise_step"]] == [0, 1]
+    assert stored["mixmin"][0]["noise_multiplier"] != stored["mixmin"][1]["noise_multiplier"]
+    assert (tmp_path / "results.md").read_text().strip() == study.markdown(stored)
