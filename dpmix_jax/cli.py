@@ -344,15 +344,17 @@ def _parser() -> argparse.ArgumentParser:
         "--noise",
         choices=("independent", "bandmf"),
         default=None,
-        help="noise of the private fine-tuning and DP-MixMin stages: independent (DP-SGD, the "
-        "presets' default) or bandmf (correlated noise of --bands bands, cyclic Poisson sampling)",
+        help="noise of the private fine-tuning and DP-MixMin stages: independent (DP-SGD) or "
+        "bandmf (correlated noise of --bands bands, cyclic Poisson sampling) (default: the "
+        "presets' independent noise)",
     )
     demo.add_argument(
         "--bands",
         type=int,
         default=None,
         metavar="B",
-        help="bands of --noise bandmf (1 <= B <= each stage's steps; 1 is DP-SGD)",
+        help="bands of --noise bandmf (1 <= B <= each stage's steps; 1 is DP-SGD) (default: "
+        "none; required with --noise bandmf)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_scale_arguments(demo)

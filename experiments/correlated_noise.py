@@ -40,7 +40,7 @@ class CorrelatedNoiseConfig:
     """Settings of the study (see the module docstring); `bands` lists BandMF's b values (the
     independent-noise baseline is always run)."""
 
-    bands: tuple[int, ...] = (4, 16)
+    bands: tuple[int, ...] = (2, 8)
     epsilons: tuple[float, ...] = (1.0, 4.0)
     seeds: tuple[int, ...] = (0, 1, 2)
     finetune_steps: int = 150

@@ -227,8 +227,10 @@ def add_correlated_noise(
     rest = strategy.coefficients[1:]
 
     def init_fn(params: PyTree) -> CorrelatedNoiseState:
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), sum_dtype(p.dtype)), params)
-        history = tuple(zeros for _ in rest)
+        history = tuple(  # distinct buffers: a jitted step may donate the state
+            jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), sum_dtype(p.dtype)), params)
+            for _ in rest
+        )
         run_key = independent_noise.fresh_secret_key() if key is None else key
         partition_key = jax.random.bits(
             jax.random.fold_in(run_key, _PARTITION_STREAM), (8,), jnp.uint32

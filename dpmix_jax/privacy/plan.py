@@ -97,7 +97,6 @@ class DpSgdConfig:
                 f"max_examples_per_user must be None or an integer >= 1, "
                 f"got {self.max_examples_per_user!r}."
             )
-
         check_noise_settings(self.noise, self.bands, self.steps)
 
     @property
