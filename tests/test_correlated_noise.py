@@ -650,3 +650,13 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
     assert [r["state_copies"] for r in results["noise_step"]] == [0, 1]
     assert stored["mixmin"][0]["noise_multiplier"] != stored["mixmin"][1]["noise_multiplier"]
     assert (tmp_path / "results.md").read_text().strip() == study.markdown(stored)
+
+
+def test_docs_page_shows_the_stored_results_exactly():
+    import pathlib
+
+    from experiments import correlated_noise as study
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    stored = json.loads((root / "docs/results/correlated_noise.json").read_text())
+    assert study.markdown(stored) in (root / "docs/correlated-noise.md").read_text()
