@@ -817,7 +817,9 @@ def fit(
             explicit `state`: it would replay the first run's noise on whatever data it is given.
 
     Privacy: private runs read `data` only through accounted DP-SGD steps; each executed step is
-    recorded once (a resumed run restores the ledger, never re-records). Logged values are the
+    recorded once (a resumed run restores the ledger, never re-records). BandMF records a cycle of
+    b steps at its first step: a run continued mid-cycle from an explicit `state` must be given
+    the ledger that recorded the cycle's start (a checkpointer restores it). Logged values are the
     step, ε and, for public runs, the training loss; `evaluate` must use non-sensitive data or be
     accounted by the caller.
     """
