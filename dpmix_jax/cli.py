@@ -1,6 +1,7 @@
 """The `dpmix` command: parses, builds a config, calls the library.
 
-dpmix demo [image|text] [--out DIR] [--epsilons 1 2 5] [--seeds 0 1 2] [--delta 1e-5] ...
+dpmix demo [image|text] [--out DIR] [--epsilons 1 2 5] [--seeds 0 1 2] [--delta 1e-5]
+           [--noise independent|bandmf --bands B] ...
 dpmix run EXPERIMENT [--mesh data=D,model=M] [--distributed] [experiment arguments ...]
 dpmix audit [arguments ...]          (= dpmix run audit ...)
 dpmix bench [arguments ...]          (= dpmix run bench_grads ...)
@@ -24,6 +25,7 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
+from typing import Any
 
 EXPERIMENTS = {
     "quickstart": "DP-SGD on scikit-learn digits with the privacy core only",
@@ -38,6 +40,7 @@ EXPERIMENTS = {
     "rho_guide": "sufficient mixture size from the error bound vs measured excess loss over n",
     "gsd": "gradient subspace distance source selection vs DP-MixMin on shared inputs",
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
+    "correlated_noise": "BandMF correlated noise vs DP-SGD at equal ε: fine-tuning and DP-MixMin",
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
     "discrete_noise": "exact discrete noise for vote counts: sampler speed, ε vs continuous noise",
@@ -346,6 +349,22 @@ def _parser() -> argparse.ArgumentParser:
         help="text only: DP fine-tuning of rank-R LoRA adapters (alpha = 2R) on every attention "
         "and MLP projection, the pretrained weights frozen (default: the last block and the head)",
     )
+    demo.add_argument(
+        "--noise",
+        choices=("independent", "bandmf"),
+        default=None,
+        help="noise of the private fine-tuning and DP-MixMin stages: independent (DP-SGD) or "
+        "bandmf (correlated noise of --bands bands, cyclic Poisson sampling) (default: the "
+        "presets' independent noise)",
+    )
+    demo.add_argument(
+        "--bands",
+        type=int,
+        default=None,
+        metavar="B",
+        help="bands of --noise bandmf (1 <= B <= each stage's steps; 1 is DP-SGD) (default: "
+        "none; required with --noise bandmf)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_scale_arguments(demo)
 
@@ -451,7 +470,7 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
     from dpmix_jax.privacy import accounting
 
     accounting.check_delta(args.delta, "argument --delta")
-    config = _demo_config(args.dataset, args.lora_rank)
+    config = _with_noise(_demo_config(args.dataset, args.lora_rank), args)
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     for epsilon in args.epsilons:
         accounting.check_epsilon(epsilon, "argument --epsilons")
@@ -462,6 +481,21 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
                 f"{', '.join(f'{stage:g}' for stage in stages)} ({config.composition} "
                 f"composition); each must be in [{low:g}, {high:g}]"
             )
+
+
+def _with_noise(config: Any, args: argparse.Namespace) -> Any:
+    """`config` with --noise/--bands applied to its fine-tuning and DP-MixMin stages."""
+    if args.noise is None and args.bands is None:
+        return config
+    try:
+        settings = {"noise": args.noise or "independent", "bands": args.bands}
+        return dataclasses.replace(
+            config,
+            finetune=dataclasses.replace(config.finetune, **settings),
+            mixture=dataclasses.replace(config.mixture, **settings),
+        )
+    except ValueError as err:
+        raise ValueError(f"arguments --noise/--bands: {err}") from None
 
 
 def _output_lock(out: pathlib.Path) -> contextlib.AbstractContextManager:
@@ -490,7 +524,7 @@ def _run_demo(args: argparse.Namespace, methods: list[str]) -> int:
     start = time.time()
     use_compilation_cache(args.out / "xla_cache")
     config = dataclasses.replace(
-        _demo_config(args.dataset, args.lora_rank),
+        _with_noise(_demo_config(args.dataset, args.lora_rank), args),
         delta=args.delta,
         allow_large_delta=args.allow_large_delta,
     )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple
@@ -33,7 +34,16 @@ import numpy as np
 
 from dpmix_jax.mixing import objectives
 from dpmix_jax.mixing.objectives import Kind
-from dpmix_jax.privacy import accounting, clipping, noise, plan, randomness, sampling
+from dpmix_jax.privacy import (
+    accounting,
+    clipping,
+    correlated_noise,
+    cyclic_sampling,
+    noise,
+    plan,
+    randomness,
+    sampling,
+)
 
 Solver = Literal["mirror_descent", "frank_wolfe"]
 Shift = Literal["none", "mean", "weighted"]
@@ -158,11 +168,14 @@ def _run_private(
     clip_norm: float,
     noise_multiplier: jax.Array,
     shift: Shift,
+    strategy: tuple[float, ...],
 ) -> SolverTrace:
     """Scans `update(state, noisy_sum, t)` over the batches; t = 1..T.
 
-    `batches`/`masks` are `(T, B)` for example level, `(T, U, G)` for user level. Step t's noise
-    is `noise.gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`.
+    `batches`/`masks` are `(T, B)` for example level, `(T, U, G)` for user level. Step t's
+    Gaussian draw is `noise.gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`;
+    the noise added is that draw correlated by the banded `strategy` coefficients
+    (`correlated_noise.correlate`; (1.0,) adds the draw itself).
     """
     if batches.shape != masks.shape or batches.ndim not in (2, 3):
         raise ValueError(
@@ -176,20 +189,24 @@ def _run_private(
         grad_sum = clipping.clipped_grad_sum(loss, clip_norm=clip_norm)
     steps = batches.shape[0]
     stddev = noise_multiplier * clip_norm  # sensitivity C under add/remove of one unit
+    banded = correlated_noise.BandedToeplitzStrategy(coefficients=strategy)
 
-    def body(state, xs):
+    def body(carry, xs):
+        state, past_noise = carry
         t, indices, mask, step_key = xs
         total, _ = grad_sum(to_weights(state), _gather(examples, indices), mask)
-        noisy = total + noise.gaussian_noise_tree(step_key, total, stddev)
-        state = update(state, noisy, t)
-        return state, to_weights(state)
+        draw = noise.gaussian_noise_tree(step_key, total, stddev)
+        step_noise, past_noise = correlated_noise.correlate(draw, past_noise, banded)
+        state = update(state, total + step_noise, t)
+        return (state, past_noise), to_weights(state)
 
     xs = (jnp.arange(1, steps + 1), batches, masks, jax.random.split(key, steps))
-    state, history = jax.lax.scan(body, init, xs)
+    no_noise_yet = tuple(jnp.zeros(init.shape, jnp.float32) for _ in strategy[1:])
+    (state, _), history = jax.lax.scan(body, (init, no_noise_yet), xs)
     return SolverTrace(to_weights(state), history)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift"))
+@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift", "strategy"))
 def run_mirror_descent(
     examples: Examples,
     batches: jax.Array,
@@ -202,6 +219,7 @@ def run_mirror_descent(
     expected_batch_size: float,
     learning_rate: float,
     shift: Shift = DEFAULT_SHIFT,
+    strategy: tuple[float, ...] = (1.0,),
 ) -> SolverTrace:
     """DP entropic mirror descent (Algorithms 1 and 2) on pre-sampled batches; jitted core.
 
@@ -222,13 +240,17 @@ def run_mirror_descent(
             realised count).
         learning_rate: η.
         shift: per-example gradient shift before clipping (static).
+        strategy: the coefficients (c_0, ..., c_{b-1}) of BandMF's banded strategy (static):
+            the noise is C⁻¹Z (`correlated_noise`); (1.0,) (default) is independent noise.
 
     Returns:
         `SolverTrace(weights=λ_T, history=(λ_1..λ_T))`.
 
     Privacy: with Poisson-sampled batches at rate q, one run is `dpsgd_event(σ, q, T)` under
-    add/remove of one unit (example or user). Nothing is checked here: `dp_mixmin` is the
-    validated entry point; callers of the core must sample and account themselves.
+    add/remove of one unit (example or user); with a normalised strategy of b bands and cyclic
+    Poisson batches, `correlated_noise.amplified_bandmf_event(σ, q, T, b)`. Nothing is checked
+    here: `dp_mixmin` is the validated entry point; callers of the core must sample and account
+    themselves.
     """
 
     def update(logits, noisy_sum, t):
@@ -249,10 +271,11 @@ def run_mirror_descent(
         clip_norm=clip_norm,
         noise_multiplier=noise_multiplier,
         shift=shift,
+        strategy=strategy,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift"))
+@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift", "strategy"))
 def run_frank_wolfe(
     examples: Examples,
     batches: jax.Array,
@@ -263,6 +286,7 @@ def run_frank_wolfe(
     clip_norm: float,
     noise_multiplier: float,
     shift: Shift = DEFAULT_SHIFT,
+    strategy: tuple[float, ...] = (1.0,),
 ) -> SolverTrace:
     """DP Frank-Wolfe over the simplex on pre-sampled batches; jitted core.
 
@@ -272,8 +296,8 @@ def run_frank_wolfe(
     γ_t = 2 / (t + 2). Dividing S by b would not change the argmin, so it is skipped.
 
     Args:
-        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift: as in
-            `run_mirror_descent`.
+        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift, strategy: as
+            in `run_mirror_descent`.
 
     Returns:
         `SolverTrace(weights=λ_T, history=(λ_1..λ_T))`.
@@ -303,6 +327,7 @@ def run_frank_wolfe(
         clip_norm=clip_norm,
         noise_multiplier=noise_multiplier,
         shift=shift,
+        strategy=strategy,
     )
 
 
@@ -331,12 +356,15 @@ class DpMixMinResult:
         user_level: whether the unit of privacy is a user.
         num_units: n, examples or users in the mixture split.
         accountant: "pld" or "rdp".
-        ledger: the `PrivacyLedger` holding the T executed step events.
+        ledger: the `PrivacyLedger` holding the executed step events (T, or ceil(T / b)
+            cycles for BandMF).
         seeded: True when the caller's seed drove the noise and sampling (reproducible, not
             private against anyone who knows the seed: `privacy.SEEDED_NOTE`); False when the
             randomness was a secret from the operating system.
         allow_large_delta: True when the caller accepted δ >= 1/n (`num_units`), a δ that
             allows publishing a unit in the clear.
+        noise: "independent" or "bandmf" (correlated noise with cyclic Poisson sampling).
+        bands: b for BandMF, None for independent noise.
     """
 
     weights: np.ndarray
@@ -357,6 +385,8 @@ class DpMixMinResult:
     ledger: accounting.PrivacyLedger
     seeded: bool
     allow_large_delta: bool = False
+    noise: str = "independent"
+    bands: int | None = None
 
     @property
     def event(self) -> dp_accounting.DpEvent:
@@ -389,6 +419,8 @@ def dp_mixmin(
     shift: Shift = DEFAULT_SHIFT,
     noise_multiplier: float | None = None,
     allow_large_delta: bool = False,
+    noise: plan.Noise = "independent",
+    bands: int | None = None,
 ) -> DpMixMinResult:
     """DP-MixMin: privately learn mixture weights λ from cached proxy outputs.
 
@@ -437,6 +469,11 @@ def dp_mixmin(
             control: ε = inf and `result.is_private` is False.
         allow_large_delta: accept δ >= 1/n (n examples, or users at user level), refused by
             default; the result records it.
+        noise: "independent" (default) or "bandmf": BandMF's correlated noise with `bands`
+            bands and cyclic Poisson sampling (`privacy.DpSgdConfig`): units in `bands`
+            partitions by a keyed hash of their id (the key derived from the run's secret
+            seed), partition t mod b sampled at step t with rate q = batch_size / (n / bands).
+        bands: b for noise="bandmf" (1 <= b <= steps).
 
     Returns:
         A `DpMixMinResult`.
@@ -446,7 +483,8 @@ def dp_mixmin(
             or δ >= 1/n without `allow_large_delta`.
 
     Privacy: (ε, δ)-DP under add/remove of one example (or one user with all their examples)
-    of the mixture split, with ε from the accountant for `dpsgd_event(σ, q, T)`; the released
+    of the mixture split, with ε from the accountant for `dpsgd_event(σ, q, T)` (for BandMF,
+    `dpsgd_event(σ, q, ceil(T / b))` at the partition's rate q); the released
     weights, iterates and average are post-processing. Settings (C, η, T, b) chosen by looking
     at the sensitive split are not covered. With an integer `seed` the noise and the sampled
     units can be regenerated by anyone who knows it.
@@ -478,19 +516,30 @@ def dp_mixmin(
         accountant=accountant,
         max_examples_per_user=max_examples_per_user,
         allow_large_delta=allow_large_delta,
+        noise=noise,
+        bands=bands,
     )
     dp_plan = plan.plan_dp_sgd(config, num_units=num_examples if users is None else len(users))
     rng = np.random.default_rng(seed)
     sampler = dp_plan.sampler()
-    units = num_examples if users is None else users
-    batches, masks = sampler.sample_steps(rng, units, config.steps)[:2]
+    if config.noise == "bandmf":
+        unit_ids = np.arange(num_examples) if users is None else np.unique(user_ids)
+        partition_key = hashlib.sha256(f"dp_mixmin/partition/{seed}".encode()).digest()
+        parts = cyclic_sampling.cyclic_parts(unit_ids, bands=config.bands, key=partition_key)
+        cyclic = (parts,) if users is None else (users, parts)
+        batches, masks = sampler.sample_steps(rng, *cyclic, config.steps)[:2]
+    else:
+        units = num_examples if users is None else users
+        batches, masks = sampler.sample_steps(rng, units, config.steps)[:2]
     key = randomness.prng_key(seed)
+    strategy = dp_plan.strategy()
 
     common = dict(
         kind=kind,
         clip_norm=config.clip_norm,
         noise_multiplier=dp_plan.noise_multiplier,
         shift=shift,
+        strategy=(1.0,) if strategy is None else strategy.coefficients,
     )
     if solver == "mirror_descent":
         trace = run_mirror_descent(
@@ -508,7 +557,7 @@ def dp_mixmin(
     history = np.asarray(trace.history)
     _check_finite(history, solver)
     ledger = accounting.PrivacyLedger()
-    ledger.record(dp_plan.step_event(), count=config.steps)
+    ledger.record(dp_plan.step_event(), count=config.accounted_steps)
     return DpMixMinResult(
         weights=np.asarray(trace.weights),
         average_weights=history.mean(axis=0),
@@ -528,6 +577,8 @@ def dp_mixmin(
         ledger=ledger,
         seeded=seeded,
         allow_large_delta=config.allow_large_delta,
+        noise=config.noise,
+        bands=config.bands,
     )
 
 

@@ -40,7 +40,7 @@ import dpmix_jax
 from dpmix_jax import parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.pipeline import folders
-from dpmix_jax.privacy import accounting, assign_parts, randomness
+from dpmix_jax.privacy import accounting, assign_parts, plan, randomness
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
 from dpmix_jax.train.checkpoint import json_checksum
 
@@ -83,6 +83,9 @@ class MixtureConfig:
         max_examples_per_user: G for user-level runs.
         accountant: "pld" or "rdp".
         nonprivate_steps: steps of the exact (non-private) MixMin baseline.
+        noise: "independent" (default) or "bandmf" (correlated noise, cyclic Poisson sampling;
+            see `mixing.dp_mixmin`).
+        bands: b for noise="bandmf" (1 <= b <= steps).
     """
 
     steps: int
@@ -94,9 +97,12 @@ class MixtureConfig:
     max_examples_per_user: int | None = None
     accountant: accounting.Accountant = "pld"
     nonprivate_steps: int = 300
+    noise: plan.Noise = "independent"
+    bands: int | None = None
 
     def __post_init__(self) -> None:
         accounting.check_steps(self.steps)
+        plan.check_noise_settings(self.noise, self.bands, self.steps)
         accounting.check_steps(self.nonprivate_steps, "nonprivate_steps")
         accounting.check_positive(self.batch_size, "batch_size")
         accounting.check_positive(self.clip_norm, "clip_norm")
@@ -817,6 +823,8 @@ class MixturePipeline(abc.ABC):
                 shift=settings.shift,
                 accountant=settings.accountant,
                 allow_large_delta=self.config.allow_large_delta,
+                noise=settings.noise,
+                bands=settings.bands,
             )
             return {
                 "weights": result.weights,

@@ -1,7 +1,17 @@
 """The privacy core: accounting, sampling, clipping, noise. Imports only jax, numpy, optax and
 dp_accounting; knows no model and no data set."""
 
-from dpmix_jax.privacy import accounting, clipping, noise, parts, plan, randomness, sampling
+from dpmix_jax.privacy import (
+    accounting,
+    clipping,
+    correlated_noise,
+    cyclic_sampling,
+    noise,
+    parts,
+    plan,
+    randomness,
+    sampling,
+)
 from dpmix_jax.privacy.accounting import (
     PrivacyBudget,
     PrivacyLedger,
@@ -12,6 +22,12 @@ from dpmix_jax.privacy.accounting import (
     epsilon,
 )
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
+from dpmix_jax.privacy.correlated_noise import (
+    BandedToeplitzStrategy,
+    add_correlated_noise,
+    amplified_bandmf_event,
+    sqrt_prefix_sum,
+)
 from dpmix_jax.privacy.noise import add_gaussian_noise, make_dp_sgd_step, private_optimizer
 from dpmix_jax.privacy.parts import assign_parts
 from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
@@ -19,6 +35,7 @@ from dpmix_jax.privacy.randomness import SEEDED_NOTE
 from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler, group_by_user
 
 __all__ = [
+    "BandedToeplitzStrategy",
     "ClippedGradSum",
     "DpSgdConfig",
     "DpSgdPlan",
@@ -28,13 +45,17 @@ __all__ = [
     "SEEDED_NOTE",
     "UserPoissonSampler",
     "accounting",
+    "add_correlated_noise",
     "add_gaussian_noise",
+    "amplified_bandmf_event",
     "assign_parts",
     "calibrate_noise_multiplier",
     "clipped_grad_sum",
     "clipping",
     "compose_parallel",
     "compose_sequential",
+    "correlated_noise",
+    "cyclic_sampling",
     "dpsgd_event",
     "epsilon",
     "group_by_user",
@@ -46,5 +67,6 @@ __all__ = [
     "private_optimizer",
     "randomness",
     "sampling",
+    "sqrt_prefix_sum",
     "user_clipped_grad_sum",
 ]

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 
 from dpmix_jax import parallel
+from dpmix_jax.privacy import correlated_noise
 from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
 from dpmix_jax.privacy.clipping import ClippedGradSum, sum_dtype
 from dpmix_jax.privacy.randomness import normal, prng_key, secret_seed
@@ -135,6 +136,7 @@ def private_optimizer(
     sensitivity: float,
     expected_batch_size: float,
     key: jax.Array | None = None,
+    strategy: correlated_noise.BandedToeplitzStrategy | None = None,
 ) -> optax.GradientTransformation:
     """Noise the clipped sum, divide by the public expected batch size, then `optimizer`.
 
@@ -149,15 +151,24 @@ def private_optimizer(
         key: the noise key. None (default): every `init` draws a new secret one from the
             operating system. A given key makes every `init` replay the same noise stream
             (seeded; the caller owns its freshness, see `add_gaussian_noise`).
+        strategy: None (default): independent noise (`add_gaussian_noise`, DP-SGD). A banded
+            strategy normalised to column norm 1 (`correlated_noise.sqrt_prefix_sum`): the
+            correlated noise of `correlated_noise.add_correlated_noise` (BandMF), whose state
+            keeps b - 1 float32 copies of the parameters.
 
     Privacy: (ε, δ) of the run is that of `accounting.dpsgd_event(σ, q, steps)` for the Poisson
-    rate q the batches were drawn with.
+    rate q the batches were drawn with; with a strategy of b bands and cyclic Poisson sampling
+    (`cyclic_sampling`), that of `correlated_noise.amplified_bandmf_event(σ, q, steps, b)`.
     """
     sigma = check_noise_multiplier(noise_multiplier)
     sensitivity = check_positive(sensitivity, "sensitivity")
     expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
+    if strategy is None:
+        noise = add_gaussian_noise(sigma * sensitivity, key)
+    else:
+        noise = correlated_noise.add_correlated_noise(sigma * sensitivity, strategy, key)
     return optax.chain(
-        add_gaussian_noise(sigma * sensitivity, key),
+        noise,
         mean_in_param_dtype(expected_batch_size),
         optimizer,
     )

@@ -4,7 +4,7 @@
 norm, expected batch size, steps). `plan_dp_sgd(config, num_units=n)` adds the one data-dependent
 value, the number of units (examples or users), and returns a `DpSgdPlan`: the sampling rate the
 sampler uses, the σ calibrated for exactly that rate and step count, and the event the ledger
-records per step.
+records per step (per cycle of b steps for BandMF's correlated noise, `noise="bandmf"`).
 
 Example:
     >>> config = DpSgdConfig(epsilon=1.0, delta=1e-5, clip_norm=1.0, batch_size=100, steps=50)
@@ -18,11 +18,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from typing import Literal
 
 import dp_accounting
 
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import accounting, correlated_noise
+from dpmix_jax.privacy.cyclic_sampling import CyclicPoissonSampler, CyclicUserPoissonSampler
 from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler
+
+Noise = Literal["independent", "bandmf"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +49,11 @@ class DpSgdConfig:
         allow_large_delta: accept δ >= 1/n (n units in the run), which `plan_dp_sgd` refuses
             by default because such a δ allows publishing a unit in the clear; a plan and the
             results built from this config carry the setting.
+        noise: "independent" (DP-SGD, default) or "bandmf": correlated noise of the banded
+            square root of the prefix sum (`correlated_noise.sqrt_prefix_sum`) with cyclic
+            Poisson sampling over `bands` partitions, accounted as DP-SGD with ceil(T / b)
+            steps at the partition's rate q = b·batch_size / n.
+        bands: b, 1 <= b <= steps, for noise="bandmf" only (None otherwise).
     """
 
     epsilon: float | None
@@ -57,6 +66,8 @@ class DpSgdConfig:
     max_examples_per_user: int | None = None
     pad_multiple: int = 32
     allow_large_delta: bool = False
+    noise: Noise = "independent"
+    bands: int | None = None
 
     def __post_init__(self) -> None:
         if (self.epsilon is None) == (self.noise_multiplier is None):
@@ -86,10 +97,36 @@ class DpSgdConfig:
                 f"max_examples_per_user must be None or an integer >= 1, "
                 f"got {self.max_examples_per_user!r}."
             )
+        check_noise_settings(self.noise, self.bands, self.steps)
 
     @property
     def user_level(self) -> bool:
         return self.max_examples_per_user is not None
+
+    @property
+    def cycle(self) -> int:
+        """Steps per cycle of the partitions: `bands` for BandMF, 1 for independent noise."""
+        return 1 if self.bands is None else self.bands
+
+    @property
+    def accounted_steps(self) -> int:
+        """The DP-SGD steps the run is accounted as: ceil(steps / cycle)."""
+        return -(-self.steps // self.cycle)
+
+
+def check_noise_settings(noise: str, bands: int | None, steps: int) -> None:
+    """Raises ValueError unless `noise` is "independent" (bands None) or "bandmf" with an
+    integer 1 <= bands <= steps."""
+    if noise not in ("independent", "bandmf"):
+        raise ValueError(f"noise must be 'independent' or 'bandmf', got {noise!r}.")
+    if noise == "independent":
+        if bands is not None:
+            raise ValueError(f"bands is for noise='bandmf' only, got bands={bands!r}.")
+        return
+    if bands is None:
+        raise ValueError("noise='bandmf' needs bands (an integer >= 1).")
+    if correlated_noise.check_bands(bands) > steps:
+        raise ValueError(f"bands must be <= steps ({steps}), got {bands!r}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,11 +140,34 @@ class DpSgdPlan:
 
     @property
     def expected_batch_size(self) -> float:
-        """q·n, the public normaliser of the noisy gradient sum."""
-        return self.sampling_rate * self.num_units
+        """q·n / b, the public normaliser of the noisy gradient sum (b = 1 for independent
+        noise: q·n)."""
+        return self.sampling_rate * self.num_units / self.config.cycle
 
-    def sampler(self) -> PoissonSampler | UserPoissonSampler:
-        """The sampler whose rate the accountant assumes."""
+    def strategy(self) -> correlated_noise.BandedToeplitzStrategy | None:
+        """BandMF's normalised strategy (`correlated_noise.sqrt_prefix_sum`); None for DP-SGD."""
+        if self.config.noise == "independent":
+            return None
+        return correlated_noise.sqrt_prefix_sum(self.config.bands)
+
+    def sampler(
+        self,
+    ) -> PoissonSampler | UserPoissonSampler | CyclicPoissonSampler | CyclicUserPoissonSampler:
+        """The sampler whose rate the accountant assumes (cyclic for BandMF)."""
+        config = self.config
+        if config.noise == "bandmf" and config.user_level:
+            return CyclicUserPoissonSampler(
+                sampling_rate=self.sampling_rate,
+                bands=config.bands,
+                max_examples_per_user=config.max_examples_per_user,
+                pad_multiple=config.pad_multiple,
+            )
+        if config.noise == "bandmf":
+            return CyclicPoissonSampler(
+                sampling_rate=self.sampling_rate,
+                bands=config.bands,
+                pad_multiple=config.pad_multiple,
+            )
         if self.config.user_level:
             return UserPoissonSampler(
                 sampling_rate=self.sampling_rate,
@@ -119,19 +179,27 @@ class DpSgdPlan:
         )
 
     def step_event(self) -> dp_accounting.DpEvent:
-        """The event of one step (record it in the ledger after every executed step)."""
+        """The event of one step, or of one cycle of b steps for BandMF: record it in the ledger
+        at every executed step for which `event_due(step)` holds."""
         return accounting.dpsgd_event(
             noise_multiplier=self.noise_multiplier, sampling_rate=self.sampling_rate, steps=1
         )
+
+    def event_due(self, step: int) -> bool:
+        """Whether executing step `step` (0-based) starts a new cycle, whose `step_event()` the
+        ledger records: every step for DP-SGD, steps 0, b, 2b, ... for BandMF (a resumed run
+        records a cycle exactly once: at its first step)."""
+        return step % self.config.cycle == 0
 
     def spent(self, steps: int | None = None) -> accounting.PrivacyBudget:
         """(ε, δ) after `steps` steps (default: all of them), from the accountant."""
         if self.noise_multiplier == 0:
             return accounting.PrivacyBudget(math.inf, self.config.delta)
+        steps = self.config.steps if steps is None else steps
         event = accounting.dpsgd_event(
             noise_multiplier=self.noise_multiplier,
             sampling_rate=self.sampling_rate,
-            steps=self.config.steps if steps is None else steps,
+            steps=-(-accounting.check_steps(steps) // self.config.cycle),
         )
         eps = accounting.epsilon(event, delta=self.config.delta, accountant=self.config.accountant)
         return accounting.PrivacyBudget(eps, self.config.delta)
@@ -140,9 +208,13 @@ class DpSgdPlan:
 def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
     """Resolves `config` for `num_units` examples (or users): rate q = b / n and σ.
 
+    For BandMF with `bands` partitions the rate is that inside the active partition,
+    q = batch_size / (n / bands), and σ is calibrated for ceil(steps / bands) steps at q.
+
     Raises:
-        ValueError: when b >= n: the Poisson rate would be 1 (every unit in every batch), which
-            loses the amplification by sampling and makes the normaliser the data set's size.
+        ValueError: when b >= n (b·bands >= n for BandMF): the Poisson rate would be 1 (every
+            unit in every batch), which loses the amplification by sampling and makes the
+            normaliser the data set's size.
             Only the no-noise control (σ = 0, ε = inf: no privacy claimed) may run full batches.
             Also when δ >= 1/n, unless `config.allow_large_delta`.
 
@@ -155,12 +227,19 @@ def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
     accounting.check_delta_for_units(
         config.delta, int(num_units), unit=unit, allow_large_delta=config.allow_large_delta
     )
-    if config.batch_size >= num_units and config.noise_multiplier != 0:
+    per_cycle = config.batch_size * config.cycle
+    if config.noise == "bandmf" and per_cycle > num_units:
         raise ValueError(
-            f"batch_size {config.batch_size:g} >= {num_units} {unit}: the Poisson rate would be "
-            f"1 (no amplification); lower batch_size below the number of {unit}."
+            f"batch_size {config.batch_size:g} x {config.cycle} bands > {num_units} {unit}: the "
+            "rate q = batch_size / (n / bands) would exceed 1; lower batch_size or bands."
         )
-    rate = min(1.0, config.batch_size / num_units)
+    if per_cycle >= num_units and config.noise_multiplier != 0:
+        needed = f" x {config.cycle} bands" if config.noise == "bandmf" else ""
+        raise ValueError(
+            f"batch_size {config.batch_size:g}{needed} >= {num_units} {unit}: the Poisson rate "
+            f"would be 1 (no amplification); lower batch_size below the number of {unit}."
+        )
+    rate = min(1.0, config.batch_size * config.cycle / num_units)
     if config.noise_multiplier is not None:
         sigma = config.noise_multiplier
     else:
@@ -168,7 +247,7 @@ def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
             target_epsilon=config.epsilon,
             delta=config.delta,
             sampling_rate=rate,
-            steps=config.steps,
+            steps=config.accounted_steps,
             accountant=config.accountant,
         )
     return DpSgdPlan(config=config, num_units=num_units, sampling_rate=rate, noise_multiplier=sigma)

@@ -10,7 +10,8 @@ sampler of the run's `DpSgdPlan`, padded with a mask; the padded batch is cut in
 `chunk_size` units whose clipped gradient *sums* are accumulated (gradient accumulation keeps the
 sum semantics); noise is added once and the sum divided once by the public expected batch size
 (`privacy.noise.private_optimizer`); the ledger records the plan's event after every executed
-step. Public steps use the ordinary mean gradient over a fixed-size batch.
+step (after every cycle's first step for BandMF's correlated noise, whose batches come from
+cyclic Poisson sampling). Public steps use the ordinary mean gradient over a fixed-size batch.
 
 API:
     TrainConfig(*, steps, batch_size, learning_rate, optimizer="adam", ..., private=False, ...)
@@ -44,7 +45,7 @@ import tqdm
 from flax import nnx
 
 from dpmix_jax import parallel
-from dpmix_jax.privacy import accounting, randomness
+from dpmix_jax.privacy import accounting, correlated_noise, cyclic_sampling, randomness
 from dpmix_jax.privacy.clipping import (
     ClippedGradSum,
     clipped_grad_sum,
@@ -53,7 +54,7 @@ from dpmix_jax.privacy.clipping import (
 )
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
 from dpmix_jax.privacy.noise import private_optimizer
-from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
+from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, Noise, plan_dp_sgd
 from dpmix_jax.privacy.sampling import PADDING_INDEX, group_by_user
 from dpmix_jax.train import ghost_models
 from dpmix_jax.train.losses import Batch, LossFn
@@ -105,6 +106,10 @@ class TrainConfig:
             "ghost" (ghost norms and book-keeping, one backward pass: `privacy.ghost`), "vmap"
             (per-unit gradients with `jax.vmap`), or "auto": ghost when every trainable
             parameter lives in a layer the ghost tape supports (`train.ghost_models`), else vmap.
+        noise: private runs: "independent" (DP-SGD, default) or "bandmf" (correlated noise of
+            `bands` bands with cyclic Poisson sampling; see `privacy.DpSgdConfig`). BandMF's
+            noise state holds bands - 1 float32 copies of the trainable parameters.
+        bands: b for noise="bandmf" (1 <= b <= steps; b = 1 is DP-SGD).
         log_every, eval_every, checkpoint_every: intervals in steps (None: never; the last step
             is always checkpointed when a checkpointer is given).
         progress: show a tqdm progress bar.
@@ -129,6 +134,8 @@ class TrainConfig:
     chunk_size: int | None = None
     microbatch_size: int | None = None
     clipping: Clipping = "auto"
+    noise: Noise = "independent"
+    bands: int | None = None
     log_every: int | None = 100
     eval_every: int | None = None
     checkpoint_every: int | None = None
@@ -170,6 +177,8 @@ class TrainConfig:
         else:
             dp_fields = ("clip_norm", "epsilon", "delta", "noise_multiplier")
             given = [f for f in dp_fields if getattr(self, f) is not None]
+            given += ["bands"] * (self.bands is not None)
+            given += ["noise"] * (self.noise != "independent")
             if given or self.level != "example" or self.max_examples_per_user is not None:
                 raise ValueError(
                     f"privacy settings {given or ['level/max_examples_per_user']} given for a "
@@ -193,6 +202,8 @@ class TrainConfig:
             max_examples_per_user=self.max_examples_per_user,
             pad_multiple=self.pad_multiple,
             allow_large_delta=self.allow_large_delta,
+            noise=self.noise,
+            bands=self.bands,
         )
 
 
@@ -406,6 +417,7 @@ class Trainer:
                 sensitivity=self._grad_sum(self.frozen, self.rest).sensitivity(),
                 expected_batch_size=self.plan.expected_batch_size,
                 key=noise_key,
+                strategy=self.plan.strategy(),
             )
             self.sampler = self.plan.sampler()
             rows = config.chunk_size or config.pad_multiple
@@ -594,16 +606,44 @@ class Trainer:
     ) -> TrainState:
         """One DP-SGD step: Poisson batch, clipped sum (in chunks), one noise draw, update.
 
-        Privacy: one execution of the plan's `step_event()`; the caller records it in the ledger
-        (`fit` does).
+        For BandMF the batch comes from partition `state.step` mod b (`cycle_parts`).
+
+        Privacy: one execution of the plan's `step_event()` (when `plan.event_due(step)`); the
+        caller records it in the ledger (`fit` does).
         """
         return self._checked_private_step(state, data, rng)[0]
 
-    def _checked_private_step(
-        self, state: TrainState, data: IndexedData, rng: np.random.Generator
-    ) -> tuple[TrainState, jax.Array]:
-        """`private_step`, and whether the new parameters are all finite (on device)."""
+    def cycle_parts(self, state: TrainState, data: IndexedData) -> np.ndarray:
+        """BandMF: the partition of every unit (example, or user in `data.users` order), from
+        the secret partition key in the noise state (so a resumed run keeps its partition).
+
+        Privacy: the partition is secret (its key is); never log it.
+        """
         if self.config.level == "user":
+            ids = np.unique(data.user_ids)
+        else:
+            ids = np.arange(data.num_examples)
+        key = correlated_noise.partition_key_bytes(state.opt_state[0])
+        return cyclic_sampling.cyclic_parts(ids, bands=self.config.bands, key=key)
+
+    def _checked_private_step(
+        self,
+        state: TrainState,
+        data: IndexedData,
+        rng: np.random.Generator,
+        cycle: tuple[np.ndarray, int] | None = None,
+    ) -> tuple[TrainState, jax.Array]:
+        """`private_step`, and whether the new parameters are all finite (on device).
+
+        `cycle`: BandMF's (`cycle_parts`, step index), computed from `state` when None.
+        """
+        if self.config.noise == "bandmf":
+            parts, step = cycle or (self.cycle_parts(state, data), int(state.step))
+            if self.config.level == "user":
+                batch = self.sampler.sample(rng, data.users, parts, step)
+            else:
+                batch = self.sampler.sample(rng, parts, step)
+        elif self.config.level == "user":
             batch = self.sampler.sample(rng, data.users)
         else:
             batch = self.sampler.sample(rng, data.num_examples)
@@ -777,7 +817,9 @@ def fit(
             explicit `state`: it would replay the first run's noise on whatever data it is given.
 
     Privacy: private runs read `data` only through accounted DP-SGD steps; each executed step is
-    recorded once (a resumed run restores the ledger, never re-records). Logged values are the
+    recorded once (a resumed run restores the ledger, never re-records). BandMF records a cycle of
+    b steps at its first step: a run continued mid-cycle from an explicit `state` must be given
+    the ledger that recorded the cycle's start (a checkpointer restores it). Logged values are the
     step, ε and, for public runs, the training loss; `evaluate` must use non-sensitive data or be
     accounted by the caller.
     """
@@ -799,13 +841,17 @@ def fit(
     start = int(state.step)
     if config.private and fresh and start < until:
         trainer._claim_noise_key()
+    bandmf = config.private and config.noise == "bandmf"
+    parts = trainer.cycle_parts(state, data) if bandmf and start < until else None
     checked = start  # the last step whose parameters were checked finite (or the resumed one)
     flags: list[tuple[int, jax.Array]] = []  # steps not yet checked, with their finite flags
     bar = tqdm.trange(start, until, initial=start, total=until, disable=not config.progress)
     for step in bar:
         if config.private:
-            state, finite = trainer._checked_private_step(state, data, rng)
-            ledger.record(trainer.plan.step_event())
+            cycle = (parts, step) if bandmf else None
+            state, finite = trainer._checked_private_step(state, data, rng, cycle)
+            if trainer.plan.event_due(step):
+                ledger.record(trainer.plan.step_event())
             metrics = {}
         else:
             state, finite, loss = trainer._checked_public_step(state, data, rng)
