@@ -413,9 +413,10 @@ def test_resume_is_exact_and_the_ledger_reports_the_epsilon_of_sigma(tmp_path):
         assert np.asarray(value).tobytes() == np.asarray(resumed.state.params[name]).tobytes()
     ref_clip = current_clip_norm(reference.state.opt_state)
     assert ref_clip.dtype == jnp.float32
-    assert np.asarray(ref_clip).tobytes() == np.asarray(
-        current_clip_norm(resumed.state.opt_state)
-    ).tobytes()
+    assert (
+        np.asarray(ref_clip).tobytes()
+        == np.asarray(current_clip_norm(resumed.state.opt_state)).tobytes()
+    )
     assert float(ref_clip) != 5.0
     # ε: the plain DP-SGD event with the run's σ, from dp_accounting directly.
     want = accounting.epsilon(
@@ -479,7 +480,7 @@ def _audit_run(noise_multiplier, included, seed):
         trainer, engine.IndexedData(gather=gather_rows, num_examples=n),
         rng=np.random.default_rng(seed + 1),
     )  # fmt: skip
-    scores = np.asarray(result.state.params["['w']"][AUDIT_DIM:], np.float64)
+    scores = np.asarray(result.model.w.value[AUDIT_DIM:], np.float64)
     final_clip = float(current_clip_norm(result.state.opt_state))
     return scores, result.ledger.epsilon(1e-5), final_clip
 
@@ -487,7 +488,7 @@ def _audit_run(noise_multiplier, included, seed):
 @pytest.mark.slow
 def test_one_run_audit_of_a_private_run_with_adaptive_clipping():
     included = np.random.default_rng(11).random(AUDIT_CANARIES) < 0.5
-    scores, claimed, final_clip = _audit_run(1.0, included, seed=5)
+    scores, claimed, final_clip = _audit_run(2.5, included, seed=5)
     assert final_clip != 1.0  # the clip norm adapted during the audited run
     bound = audit.one_run_epsilon_lower_bound(scores, included, delta=1e-5)
     assert bound.epsilon < claimed, (bound.epsilon, claimed)
@@ -497,3 +498,52 @@ def test_one_run_audit_of_a_private_run_with_adaptive_clipping():
     assert control_claim == math.inf
     control = audit.one_run_epsilon_lower_bound(control_scores, included, delta=1e-5)
     assert control.epsilon > claimed, (control.epsilon, claimed)
+
+
+# ---------------------------------------------------------------------------------------------
+# DP-MixMin.
+# ---------------------------------------------------------------------------------------------
+
+
+def _mixmin_preds():
+    rng = np.random.default_rng(0)
+    return rng.uniform(0.05, 0.95, size=(3000, 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("solver", ["mirror_descent", "frank_wolfe"])
+def test_dp_mixmin_with_adaptive_clipping_tracks_the_quantile_at_the_same_epsilon(solver):
+    from dpmix_jax.mixing import dp_mixmin, solvers
+
+    preds = _mixmin_preds()
+    kw = dict(
+        epsilon=2.0, delta=1e-5, steps=60, batch_size=300, seed=0, solver=solver,
+        learning_rate=0.5 if solver == "mirror_descent" else None,
+    )  # fmt: skip
+    adaptive = AdaptiveClipping(target_quantile=0.5, learning_rate=0.3)
+    fixed = dp_mixmin(preds, clip_norm=100.0, **kw)
+    result = dp_mixmin(preds, clip_norm=100.0, adaptive_clipping=adaptive, **kw)
+    assert fixed.clip_norms is None and result.clip_norms.shape == (60,)
+    assert result.epsilon == fixed.epsilon <= 2.0
+    assert result.noise_multiplier == fixed.noise_multiplier
+    assert np.all(np.isfinite(result.weights)) and result.weights.sum() == pytest.approx(1.0)
+    # Started 100x above the norms, C_t falls to their median at the final iterates' λ.
+    examples = solvers.objectives.prepare_examples(preds, kind="nll")
+    loss = solvers.shifted_example_loss("nll", solvers.DEFAULT_SHIFT)
+    norms = np.asarray(
+        jax.vmap(lambda ex: clipping.norm_upper_bound(jax.grad(loss)(result.history[-2], ex)))(
+            examples
+        )
+    )
+    final = result.clip_norms[-1]
+    assert final < 10.0
+    assert np.mean(norms <= final) == pytest.approx(0.5, abs=0.2)
+
+
+def test_dp_mixmin_refuses_count_noise_below_half_sigma():
+    from dpmix_jax.mixing import dp_mixmin
+
+    with pytest.raises(ValueError, match="count_noise_stddev"):
+        dp_mixmin(
+            _mixmin_preds(), epsilon=0.5, delta=1e-5, steps=60, batch_size=300, clip_norm=1.0,
+            learning_rate=0.5, seed=0, adaptive_clipping=AdaptiveClipping(count_noise_stddev=0.1),
+        )  # fmt: skip

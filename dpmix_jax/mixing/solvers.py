@@ -34,6 +34,11 @@ import numpy as np
 from dpmix_jax.mixing import objectives
 from dpmix_jax.mixing.objectives import Kind
 from dpmix_jax.privacy import accounting, clipping, noise, plan, randomness, sampling
+from dpmix_jax.privacy.adaptive_clipping import (
+    AdaptiveClipping,
+    centred_count,
+    split_noise_multiplier,
+)
 
 Solver = Literal["mirror_descent", "frank_wolfe"]
 Shift = Literal["none", "mean", "weighted"]
@@ -46,10 +51,12 @@ Examples = dict[str, jax.Array]
 
 
 class SolverTrace(NamedTuple):
-    """Output of a private solver core: the last iterate `(k,)` and every iterate `(T, k)`."""
+    """Output of a private solver core: the last iterate `(k,)` and every iterate `(T, k)`;
+    with adaptive clipping also the clip norms C_1..C_T `(T,)` (after each step's update)."""
 
     weights: jax.Array
     history: jax.Array
+    clip_norms: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,11 +165,16 @@ def _run_private(
     clip_norm: float,
     noise_multiplier: jax.Array,
     shift: Shift,
+    adaptive_clipping: AdaptiveClipping | None = None,
+    expected_batch_size: float | None = None,
 ) -> SolverTrace:
     """Scans `update(state, noisy_sum, t)` over the batches; t = 1..T.
 
     `batches`/`masks` are `(T, B)` for example level, `(T, U, G)` for user level. Step t's noise
-    is `noise.gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`.
+    is `noise.gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`. With
+    `adaptive_clipping` (C is then C_0): step t's key is split into the sum's and the count's
+    noise keys, the sum is clipped to C_t with noise σ_Δ·C_t, and C_{t+1} comes from the noisy
+    centred count (`privacy.adaptive_clipping`; b = `expected_batch_size`).
     """
     if batches.shape != masks.shape or batches.ndim not in (2, 3):
         raise ValueError(
@@ -175,21 +187,41 @@ def _run_private(
     else:
         grad_sum = clipping.clipped_grad_sum(loss, clip_norm=clip_norm)
     steps = batches.shape[0]
-    stddev = noise_multiplier * clip_norm  # sensitivity C under add/remove of one unit
-
-    def body(state, xs):
-        t, indices, mask, step_key = xs
-        total, _ = grad_sum(to_weights(state), _gather(examples, indices), mask)
-        noisy = total + noise.gaussian_noise_tree(step_key, total, stddev)
-        state = update(state, noisy, t)
-        return state, to_weights(state)
-
     xs = (jnp.arange(1, steps + 1), batches, masks, jax.random.split(key, steps))
-    state, history = jax.lax.scan(body, init, xs)
-    return SolverTrace(to_weights(state), history)
+    if adaptive_clipping is None:
+        stddev = noise_multiplier * clip_norm  # sensitivity C under add/remove of one unit
+
+        def body(state, xs):
+            t, indices, mask, step_key = xs
+            total, _ = grad_sum(to_weights(state), _gather(examples, indices), mask)
+            noisy = total + noise.gaussian_noise_tree(step_key, total, stddev)
+            state = update(state, noisy, t)
+            return state, to_weights(state)
+
+        state, history = jax.lax.scan(body, init, xs)
+        return SolverTrace(to_weights(state), history)
+
+    sigma_b = adaptive_clipping.count_stddev(expected_batch_size)
+    sigma = jnp.asarray(noise_multiplier, jnp.float32)  # traced: σ_Δ as in split_noise_multiplier
+    sigma_delta = jnp.where(sigma > 0, jax.lax.rsqrt(sigma**-2 - (2.0 * sigma_b) ** -2.0), 0.0)
+
+    def adaptive_body(carry, xs):
+        state, clip_t = carry
+        t, indices, mask, step_key = xs
+        noise_key, count_key = jax.random.split(step_key)
+        total, stats = grad_sum(to_weights(state), _gather(examples, indices), mask, clip_t)
+        noisy = total + noise.gaussian_noise_tree(noise_key, total, sigma_delta * clip_t)
+        count_noise = sigma_b * randomness.normal(count_key, 1)[0]
+        count = centred_count(stats["unclipped"], mask) + count_noise
+        clip_t = adaptive_clipping.next_clip_norm(clip_t, 0.5 + count / expected_batch_size)
+        state = update(state, noisy, t)
+        return (state, clip_t), (to_weights(state), clip_t)
+
+    (state, _), (history, clips) = jax.lax.scan(adaptive_body, (init, jnp.float32(clip_norm)), xs)
+    return SolverTrace(to_weights(state), history, clips)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift"))
+@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift", "adaptive_clipping"))
 def run_mirror_descent(
     examples: Examples,
     batches: jax.Array,
@@ -202,6 +234,7 @@ def run_mirror_descent(
     expected_batch_size: float,
     learning_rate: float,
     shift: Shift = DEFAULT_SHIFT,
+    adaptive_clipping: AdaptiveClipping | None = None,
 ) -> SolverTrace:
     """DP entropic mirror descent (Algorithms 1 and 2) on pre-sampled batches; jitted core.
 
@@ -222,13 +255,18 @@ def run_mirror_descent(
             realised count).
         learning_rate: η.
         shift: per-example gradient shift before clipping (static).
+        adaptive_clipping: None, or adaptive clipping settings (static): C is then C_0 and the
+            trace holds C_1..C_T (`privacy.adaptive_clipping`; σ_b > σ/2 is checked by
+            `dp_mixmin`, not here).
 
     Returns:
         `SolverTrace(weights=λ_T, history=(λ_1..λ_T))`.
 
     Privacy: with Poisson-sampled batches at rate q, one run is `dpsgd_event(σ, q, T)` under
-    add/remove of one unit (example or user). Nothing is checked here: `dp_mixmin` is the
-    validated entry point; callers of the core must sample and account themselves.
+    add/remove of one unit (example or user), with or without adaptive clipping (whose noise
+    split keeps each step one Gaussian mechanism of multiplier σ). Nothing is checked here:
+    `dp_mixmin` is the validated entry point; callers of the core must sample and account
+    themselves.
     """
 
     def update(logits, noisy_sum, t):
@@ -249,10 +287,12 @@ def run_mirror_descent(
         clip_norm=clip_norm,
         noise_multiplier=noise_multiplier,
         shift=shift,
+        adaptive_clipping=adaptive_clipping,
+        expected_batch_size=expected_batch_size,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift"))
+@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift", "adaptive_clipping"))
 def run_frank_wolfe(
     examples: Examples,
     batches: jax.Array,
@@ -263,6 +303,8 @@ def run_frank_wolfe(
     clip_norm: float,
     noise_multiplier: float,
     shift: Shift = DEFAULT_SHIFT,
+    adaptive_clipping: AdaptiveClipping | None = None,
+    expected_batch_size: float | None = None,
 ) -> SolverTrace:
     """DP Frank-Wolfe over the simplex on pre-sampled batches; jitted core.
 
@@ -272,8 +314,9 @@ def run_frank_wolfe(
     γ_t = 2 / (t + 2). Dividing S by b would not change the argmin, so it is skipped.
 
     Args:
-        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift: as in
-            `run_mirror_descent`.
+        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift,
+            adaptive_clipping: as in `run_mirror_descent`.
+        expected_batch_size: b, needed only with `adaptive_clipping` (the count's normaliser).
 
     Returns:
         `SolverTrace(weights=λ_T, history=(λ_1..λ_T))`.
@@ -303,6 +346,8 @@ def run_frank_wolfe(
         clip_norm=clip_norm,
         noise_multiplier=noise_multiplier,
         shift=shift,
+        adaptive_clipping=adaptive_clipping,
+        expected_batch_size=expected_batch_size,
     )
 
 
@@ -337,6 +382,8 @@ class DpMixMinResult:
             randomness was a secret from the operating system.
         allow_large_delta: True when the caller accepted δ >= 1/n (`num_units`), a δ that
             allows publishing a unit in the clear.
+        clip_norms: with adaptive clipping, `(T,)` C_1..C_T (public: post-processing of the
+            noisy counts); None otherwise (`clip_norm` throughout).
     """
 
     weights: np.ndarray
@@ -357,6 +404,7 @@ class DpMixMinResult:
     ledger: accounting.PrivacyLedger
     seeded: bool
     allow_large_delta: bool = False
+    clip_norms: np.ndarray | None = None
 
     @property
     def event(self) -> dp_accounting.DpEvent:
@@ -389,6 +437,7 @@ def dp_mixmin(
     shift: Shift = DEFAULT_SHIFT,
     noise_multiplier: float | None = None,
     allow_large_delta: bool = False,
+    adaptive_clipping: AdaptiveClipping | None = None,
 ) -> DpMixMinResult:
     """DP-MixMin: privately learn mixture weights λ from cached proxy outputs.
 
@@ -437,6 +486,9 @@ def dp_mixmin(
             control: ε = inf and `result.is_private` is False.
         allow_large_delta: accept δ >= 1/n (n examples, or users at user level), refused by
             default; the result records it.
+        adaptive_clipping: None, or `privacy.adaptive_clipping.AdaptiveClipping` settings: the
+            clip norm of the λ-gradients starts at `clip_norm` and follows their target
+            quantile (`result.clip_norms` holds C_1..C_T); same σ, same ε.
 
     Returns:
         A `DpMixMinResult`.
@@ -486,11 +538,16 @@ def dp_mixmin(
     batches, masks = sampler.sample_steps(rng, units, config.steps)[:2]
     key = randomness.prng_key(seed)
 
+    if adaptive_clipping is not None:  # refuses σ_b <= σ/2 before anything runs
+        split_noise_multiplier(
+            dp_plan.noise_multiplier, adaptive_clipping.count_stddev(dp_plan.expected_batch_size)
+        )
     common = dict(
         kind=kind,
         clip_norm=config.clip_norm,
         noise_multiplier=dp_plan.noise_multiplier,
         shift=shift,
+        adaptive_clipping=adaptive_clipping,
     )
     if solver == "mirror_descent":
         trace = run_mirror_descent(
@@ -503,7 +560,14 @@ def dp_mixmin(
             **common,
         )
     else:
-        trace = run_frank_wolfe(examples, jnp.asarray(batches), jnp.asarray(masks), key, **common)
+        trace = run_frank_wolfe(
+            examples,
+            jnp.asarray(batches),
+            jnp.asarray(masks),
+            key,
+            expected_batch_size=dp_plan.expected_batch_size,
+            **common,
+        )
 
     history = np.asarray(trace.history)
     _check_finite(history, solver)
@@ -528,6 +592,7 @@ def dp_mixmin(
         ledger=ledger,
         seeded=seeded,
         allow_large_delta=config.allow_large_delta,
+        clip_norms=None if trace.clip_norms is None else np.asarray(trace.clip_norms),
     )
 
 

@@ -41,6 +41,7 @@ from dpmix_jax import parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.pipeline import folders
 from dpmix_jax.privacy import accounting, assign_parts, randomness
+from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
 from dpmix_jax.train.checkpoint import json_checksum
 
@@ -83,6 +84,8 @@ class MixtureConfig:
         max_examples_per_user: G for user-level runs.
         accountant: "pld" or "rdp".
         nonprivate_steps: steps of the exact (non-private) MixMin baseline.
+        adaptive_clipping: None, or adaptive clipping of the λ-gradients (`clip_norm` is then
+            the initial C; same σ and ε, see `privacy.adaptive_clipping`).
     """
 
     steps: int
@@ -94,6 +97,7 @@ class MixtureConfig:
     max_examples_per_user: int | None = None
     accountant: accounting.Accountant = "pld"
     nonprivate_steps: int = 300
+    adaptive_clipping: AdaptiveClipping | None = None
 
     def __post_init__(self) -> None:
         accounting.check_steps(self.steps)
@@ -107,6 +111,13 @@ class MixtureConfig:
         if (self.learning_rate is None) != (self.solver == "frank_wolfe"):
             raise ValueError(
                 "learning_rate is required for mirror descent and unused by Frank-Wolfe."
+            )
+        if self.adaptive_clipping is not None and not isinstance(
+            self.adaptive_clipping, AdaptiveClipping
+        ):
+            raise ValueError(
+                f"adaptive_clipping must be None or an AdaptiveClipping, got "
+                f"{self.adaptive_clipping!r}."
             )
 
 
@@ -817,6 +828,7 @@ class MixturePipeline(abc.ABC):
                 shift=settings.shift,
                 accountant=settings.accountant,
                 allow_large_delta=self.config.allow_large_delta,
+                adaptive_clipping=settings.adaptive_clipping,
             )
             return {
                 "weights": result.weights,

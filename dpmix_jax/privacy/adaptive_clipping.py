@@ -115,7 +115,8 @@ class AdaptiveClipping:
         """σ_b: `count_noise_stddev`, or b / 20 for the expected batch size b."""
         if self.count_noise_stddev is not None:
             return float(self.count_noise_stddev)
-        expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
+        if isinstance(expected_batch_size, numbers.Real):  # else traced (a jitted solver core)
+            expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
         return DEFAULT_COUNT_NOISE_FRACTION * expected_batch_size
 
     def gradient_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float):
