@@ -337,6 +337,21 @@ def _parser() -> argparse.ArgumentParser:
             "seeds only number the repetitions and private randomness is secret"
         ),
     )
+    demo.add_argument(
+        "--adaptive-clipping",
+        action="store_true",
+        help=(
+            "adaptive clipping in DP fine-tuning and DP-MixMin: the clip norm starts at the "
+            "preset's and follows --target-quantile of the units' gradient norms (same ε)"
+        ),
+    )
+    demo.add_argument(
+        "--target-quantile",
+        type=float,
+        default=None,
+        metavar="Q",
+        help="with --adaptive-clipping: the fraction of units left unclipped (default 0.5)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_scale_arguments(demo)
 
@@ -420,14 +435,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo_config(dataset: str):
-    if dataset == "image":
+def _demo_config(args: argparse.Namespace):
+    if args.dataset == "image":
         from dpmix_jax.pipeline.presets import image_demo_config
 
-        return image_demo_config()
-    from dpmix_jax.pipeline.text_presets import text_demo_config
+        config = image_demo_config()
+    else:
+        from dpmix_jax.pipeline.text_presets import text_demo_config
 
-    return text_demo_config()
+        config = text_demo_config()
+    if args.target_quantile is not None and not args.adaptive_clipping:
+        raise ValueError("argument --target-quantile: needs --adaptive-clipping")
+    if not args.adaptive_clipping:
+        return config
+    from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
+
+    quantile = 0.5 if args.target_quantile is None else args.target_quantile
+    adaptive = AdaptiveClipping(target_quantile=quantile)
+    return dataclasses.replace(
+        config,
+        mixture=dataclasses.replace(config.mixture, adaptive_clipping=adaptive),
+        finetune=dataclasses.replace(config.finetune, adaptive_clipping=adaptive),
+    )
 
 
 def _check_demo_arguments(args: argparse.Namespace) -> None:
@@ -437,7 +466,7 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
     from dpmix_jax.privacy import accounting
 
     accounting.check_delta(args.delta, "argument --delta")
-    config = _demo_config(args.dataset)
+    config = _demo_config(args)
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     for epsilon in args.epsilons:
         accounting.check_epsilon(epsilon, "argument --epsilons")
@@ -476,7 +505,7 @@ def _run_demo(args: argparse.Namespace, methods: list[str]) -> int:
     start = time.time()
     use_compilation_cache(args.out / "xla_cache")
     config = dataclasses.replace(
-        _demo_config(args.dataset), delta=args.delta, allow_large_delta=args.allow_large_delta
+        _demo_config(args), delta=args.delta, allow_large_delta=args.allow_large_delta
     )
     if args.dataset == "image":
         from dpmix_jax.pipeline.image import ImagePipeline

@@ -547,3 +547,28 @@ def test_dp_mixmin_refuses_count_noise_below_half_sigma():
             _mixmin_preds(), epsilon=0.5, delta=1e-5, steps=60, batch_size=300, clip_norm=1.0,
             learning_rate=0.5, seed=0, adaptive_clipping=AdaptiveClipping(count_noise_stddev=0.1),
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_demo_flags_reach_the_fine_tuning_and_mixture_stages():
+    from dpmix_jax import cli
+
+    for dataset in ("image", "text"):
+        args = cli._parser().parse_args(
+            ["demo", dataset, "--adaptive-clipping", "--target-quantile", "0.7"]
+        )
+        config = cli._demo_config(args)
+        assert config.finetune.adaptive_clipping == AdaptiveClipping(target_quantile=0.7)
+        assert config.mixture.adaptive_clipping == AdaptiveClipping(target_quantile=0.7)
+        plain = cli._demo_config(cli._parser().parse_args(["demo", dataset]))
+        assert plain.finetune.adaptive_clipping is None is plain.mixture.adaptive_clipping
+    with pytest.raises(ValueError, match="--adaptive-clipping"):
+        cli._demo_config(cli._parser().parse_args(["demo", "--target-quantile", "0.7"]))
+    with pytest.raises(ValueError, match="target_quantile"):
+        cli._demo_config(
+            cli._parser().parse_args(["demo", "--adaptive-clipping", "--target-quantile", "2"])
+        )
