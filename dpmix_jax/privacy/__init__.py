@@ -1,7 +1,16 @@
 """The privacy core: accounting, sampling, clipping, noise. Imports only jax, numpy, optax and
 dp_accounting; knows no model and no data set."""
 
-from dpmix_jax.privacy import accounting, clipping, noise, parts, plan, randomness, sampling
+from dpmix_jax.privacy import (
+    accounting,
+    adaptive_clipping,
+    clipping,
+    noise,
+    parts,
+    plan,
+    randomness,
+    sampling,
+)
 from dpmix_jax.privacy.accounting import (
     PrivacyBudget,
     PrivacyLedger,
@@ -11,6 +20,7 @@ from dpmix_jax.privacy.accounting import (
     dpsgd_event,
     epsilon,
 )
+from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
 from dpmix_jax.privacy.noise import add_gaussian_noise, make_dp_sgd_step, private_optimizer
 from dpmix_jax.privacy.parts import assign_parts
@@ -19,6 +29,7 @@ from dpmix_jax.privacy.randomness import SEEDED_NOTE
 from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler, group_by_user
 
 __all__ = [
+    "AdaptiveClipping",
     "ClippedGradSum",
     "DpSgdConfig",
     "DpSgdPlan",
@@ -28,6 +39,7 @@ __all__ = [
     "SEEDED_NOTE",
     "UserPoissonSampler",
     "accounting",
+    "adaptive_clipping",
     "add_gaussian_noise",
     "assign_parts",
     "calibrate_noise_multiplier",
