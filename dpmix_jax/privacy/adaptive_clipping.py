@@ -77,10 +77,11 @@ PyTree = Any
 
 # The recommended count noise: σ_b = b / 20 for an expected batch of b units (the paper's choice).
 DEFAULT_COUNT_NOISE_FRACTION = 1.0 / 20.0
-# C_t stays within [2⁻¹⁰⁰, 2¹⁰⁰]: a float32 sum of up to 2³¹ units clipped to it, and its noise,
-# stay finite (float32 reaches 2¹²⁸), and it never rounds to 0. Post-processing of C_t.
-MIN_CLIP_NORM = 2.0**-100
-MAX_CLIP_NORM = 2.0**100
+# C_t stays within [2⁻⁶⁴, 2⁶⁴]: a float32 sum of up to 2³¹ units clipped to it stays below 2⁹⁵,
+# far from float32's overflow at 2¹²⁸ even with its noise, and C_t never rounds to 0.
+# Post-processing of C_t.
+MIN_CLIP_NORM = 2.0**-64
+MAX_CLIP_NORM = 2.0**64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,7 +125,7 @@ class AdaptiveClipping:
         return split_noise_multiplier(noise_multiplier, self.count_stddev(expected_batch_size))
 
     def next_clip_norm(self, clip_norm: jax.Array, unclipped_fraction: jax.Array) -> jax.Array:
-        """C_{t+1} = C_t·exp(-η (b̃_t - γ)) in float32, kept in [2⁻¹⁰⁰, 2¹⁰⁰]. Pure, jittable.
+        """C_{t+1} = C_t·exp(-η (b̃_t - γ)) in float32, kept in [2⁻⁶⁴, 2⁶⁴]. Pure, jittable.
 
         Privacy: post-processing of the released fraction b̃_t (and of the public C_t).
         """
