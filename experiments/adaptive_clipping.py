@@ -2,9 +2,9 @@
 
 On the digits default (`pipeline.presets.digit_task`, `image_demo_config`), DP fine-tuning on D_ft
 of the model publicly pretrained on the uniform mixture of the sources (the demo's "uniform"
-method) at one ε, for three seeds, with: the preset's tuned C, 10·C and
-C/10 held fixed, and adaptive clipping (target quantile 0.5, η = 0.2, σ_b = b/20) started from
-each of those three. Every run uses the same σ (calibrated to ε for the preset's q and T); the
+method) at one ε, for three seeds, with: the preset's tuned C, 10·C and C/10 held fixed, and
+adaptive clipping (target quantile 0.5, η = 0.2, σ_b = max(b/20, σ)) started from each of those
+three. Every run uses the same σ (calibrated to ε for the preset's q and T); the
 ledger's ε is reported. Table: test macro AUC (mean ± std over seeds) and the clip norm at the
 end of the run. Writes `adaptive_clipping.json` and `adaptive_clipping.md` under `--out`.
 

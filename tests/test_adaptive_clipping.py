@@ -51,8 +51,12 @@ def test_split_refuses_count_noise_at_or_below_half_sigma():
     with pytest.raises(ValueError, match="count_noise_stddev"):
         AdaptiveClipping(count_noise_stddev=0.4).gradient_noise_multiplier(1.0, 100.0)
     assert split_noise_multiplier(0.0, 1.0) == 0.0  # the no-noise control
-    # Default σ_b = b / 20.
-    assert AdaptiveClipping().count_stddev(200.0) == pytest.approx(10.0)
+    # Default σ_b = max(b / 20, σ): never refused.
+    assert AdaptiveClipping().count_stddev(200.0, 1.0) == pytest.approx(10.0)
+    assert AdaptiveClipping().count_stddev(20.0, 3.0) == 3.0
+    assert AdaptiveClipping().gradient_noise_multiplier(3.0, 20.0) == pytest.approx(
+        3.0 * 2 / math.sqrt(3)
+    )
 
 
 def _pld_epsilon(sensitivity, stddev, rate, steps, delta):
@@ -485,7 +489,6 @@ def _audit_run(noise_multiplier, included, seed):
     return scores, result.ledger.epsilon(1e-5), final_clip
 
 
-@pytest.mark.slow
 def test_one_run_audit_of_a_private_run_with_adaptive_clipping():
     included = np.random.default_rng(11).random(AUDIT_CANARIES) < 0.5
     scores, claimed, final_clip = _audit_run(2.5, included, seed=5)

@@ -201,7 +201,7 @@ def _run_private(
         state, history = jax.lax.scan(body, init, xs)
         return SolverTrace(to_weights(state), history)
 
-    sigma_b = adaptive_clipping.count_stddev(expected_batch_size)
+    sigma_b = adaptive_clipping.count_stddev(expected_batch_size, noise_multiplier)
     sigma = jnp.asarray(noise_multiplier, jnp.float32)  # traced: σ_Δ as in split_noise_multiplier
     sigma_delta = jnp.where(sigma > 0, jax.lax.rsqrt(sigma**-2 - (2.0 * sigma_b) ** -2.0), 0.0)
 
@@ -539,8 +539,9 @@ def dp_mixmin(
     key = randomness.prng_key(seed)
 
     if adaptive_clipping is not None:  # refuses σ_b <= σ/2 before anything runs
+        sigma = dp_plan.noise_multiplier
         split_noise_multiplier(
-            dp_plan.noise_multiplier, adaptive_clipping.count_stddev(dp_plan.expected_batch_size)
+            sigma, adaptive_clipping.count_stddev(dp_plan.expected_batch_size, sigma)
         )
     common = dict(
         kind=kind,

@@ -27,7 +27,7 @@ unit noise. Step t is therefore the Poisson-sampled Gaussian mechanism with σ w
 
 API:
     AdaptiveClipping(*, target_quantile=0.5, learning_rate=0.2, count_noise_stddev=None)
-        .count_stddev(expected_batch_size) -> σ_b
+        .count_stddev(expected_batch_size, noise_multiplier) -> σ_b
         .gradient_noise_multiplier(noise_multiplier, expected_batch_size) -> σ_Δ
         .next_clip_norm(clip_norm, unclipped_fraction) -> C_{t+1}           (pure, jittable)
     split_noise_multiplier(noise_multiplier, count_noise_stddev) -> σ_Δ
@@ -75,7 +75,9 @@ from dpmix_jax.privacy.randomness import normal
 
 PyTree = Any
 
-# The recommended count noise: σ_b = b / 20 for an expected batch of b units (the paper's choice).
+# The default count noise: σ_b = b / 20 for an expected batch of b units (the paper's choice),
+# raised to σ for small batches, where b / 20 would leave too little of the budget to the sum
+# (σ_b >= σ keeps σ_Δ within 2/√3 ≈ 1.155 times σ).
 DEFAULT_COUNT_NOISE_FRACTION = 1.0 / 20.0
 # C_t stays within [2⁻⁶⁴, 2⁶⁴]: a float32 sum of up to 2³¹ units clipped to it stays below 2⁹⁵,
 # far from float32's overflow at 2¹²⁸ even with its noise, and C_t never rounds to 0.
@@ -93,7 +95,8 @@ class AdaptiveClipping:
         learning_rate: η > 0 of the geometric update C_{t+1} = C_t·exp(-η (b̃_t - γ)).
         count_noise_stddev: σ_b > 0, the standard deviation of the noise on the count of
             unclipped units (a unit moves the centred count by 1/2); it must exceed σ/2 for the
-            run's noise multiplier σ. None: b / 20 for the expected batch size b.
+            run's noise multiplier σ. None: max(b / 20, σ) for the expected batch size b (the
+            paper's b / 20, raised to σ for small batches).
     """
 
     target_quantile: float = 0.5
@@ -112,17 +115,22 @@ class AdaptiveClipping:
         if self.count_noise_stddev is not None:
             check_positive(self.count_noise_stddev, "count_noise_stddev")
 
-    def count_stddev(self, expected_batch_size: float) -> float:
-        """σ_b: `count_noise_stddev`, or b / 20 for the expected batch size b."""
+    def count_stddev(self, expected_batch_size: float, noise_multiplier: float) -> float:
+        """σ_b: `count_noise_stddev`, or max(b / 20, σ) for the expected batch size b and the
+        run's σ (either may be a traced scalar inside a jitted solver core)."""
         if self.count_noise_stddev is not None:
             return float(self.count_noise_stddev)
-        if isinstance(expected_batch_size, numbers.Real):  # else traced (a jitted solver core)
+        if isinstance(expected_batch_size, numbers.Real) and isinstance(
+            noise_multiplier, numbers.Real
+        ):
             expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
-        return DEFAULT_COUNT_NOISE_FRACTION * expected_batch_size
+            return max(DEFAULT_COUNT_NOISE_FRACTION * expected_batch_size, noise_multiplier)
+        return jnp.maximum(DEFAULT_COUNT_NOISE_FRACTION * expected_batch_size, noise_multiplier)
 
     def gradient_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float):
         """σ_Δ of the gradient sum for the run's σ (`split_noise_multiplier` with σ_b)."""
-        return split_noise_multiplier(noise_multiplier, self.count_stddev(expected_batch_size))
+        sigma_b = self.count_stddev(expected_batch_size, noise_multiplier)
+        return split_noise_multiplier(noise_multiplier, sigma_b)
 
     def next_clip_norm(self, clip_norm: jax.Array, unclipped_fraction: jax.Array) -> jax.Array:
         """C_{t+1} = C_t·exp(-η (b̃_t - γ)) in float32, kept in [2⁻⁶⁴, 2⁶⁴]. Pure, jittable.
@@ -153,7 +161,7 @@ def split_noise_multiplier(noise_multiplier: float, count_noise_stddev: float) -
     if not 2.0 * sigma_b > sigma:
         raise ValueError(
             f"count_noise_stddev σ_b = {sigma_b!r} must exceed half the noise multiplier "
-            f"(σ/2 = {sigma / 2!r}); raise it (default: expected batch size / 20)."
+            f"(σ/2 = {sigma / 2!r}); raise it or leave it unset (default: max(b / 20, σ))."
         )
     return 1.0 / math.sqrt(sigma**-2 - (2.0 * sigma_b) ** -2)
 
@@ -212,7 +220,7 @@ def adaptive_gaussian_noise(
     run is accounted as `accounting.dpsgd_event(σ, q, T)`. The key is secret.
     """
     sigma_delta = config.gradient_noise_multiplier(noise_multiplier, expected_batch_size)
-    sigma_b = config.count_stddev(expected_batch_size)
+    sigma_b = config.count_stddev(expected_batch_size, noise_multiplier)
     initial_clip_norm = check_positive(initial_clip_norm, "initial_clip_norm")
     expected_batch_size = check_positive(expected_batch_size, "expected_batch_size")
 
