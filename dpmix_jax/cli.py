@@ -41,6 +41,7 @@ EXPERIMENTS = {
     "gsd": "gradient subspace distance source selection vs DP-MixMin on shared inputs",
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
     "correlated_noise": "BandMF correlated noise vs DP-SGD at equal ε: fine-tuning and DP-MixMin",
+    "adaptive_clipping": "adaptive vs fixed clip norms (C, 10C, C/10) in DP fine-tuning",
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
     "discrete_noise": "exact discrete noise for vote counts: sampler speed, ε vs continuous noise",
@@ -365,6 +366,21 @@ def _parser() -> argparse.ArgumentParser:
         help="bands of --noise bandmf (1 <= B <= each stage's steps; 1 is DP-SGD) (default: "
         "none; required with --noise bandmf)",
     )
+    demo.add_argument(
+        "--adaptive-clipping",
+        action="store_true",
+        help=(
+            "adaptive clipping in DP fine-tuning and DP-MixMin: the clip norm starts at the "
+            "preset's and follows --target-quantile of the units' gradient norms (same ε)"
+        ),
+    )
+    demo.add_argument(
+        "--target-quantile",
+        type=float,
+        default=None,
+        metavar="Q",
+        help="with --adaptive-clipping: the fraction of units left unclipped (default 0.5)",
+    )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_scale_arguments(demo)
 
@@ -448,19 +464,42 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _demo_config(dataset: str, lora_rank: int | None = None):
-    if dataset == "image":
-        if lora_rank is not None:
+def _demo_config(args: argparse.Namespace) -> Any:
+    """The demo's preset with the command line's stage settings: LoRA, noise, adaptive clipping."""
+    if args.dataset == "image":
+        if args.lora_rank is not None:
             raise ValueError("argument --lora-rank: LoRA applies to the text demo's GPT-2 only")
         from dpmix_jax.pipeline.presets import image_demo_config
 
-        return image_demo_config()
-    from dpmix_jax.pipeline.text_presets import text_demo_config
+        config = image_demo_config()
+    else:
+        from dpmix_jax.pipeline.text_presets import text_demo_config
 
+        try:
+            config = text_demo_config(lora_rank=args.lora_rank)
+        except ValueError as err:
+            raise ValueError(f"argument --lora-rank: {err}") from err
+    return _with_adaptive_clipping(_with_noise(config, args), args)
+
+
+def _with_adaptive_clipping(config: Any, args: argparse.Namespace) -> Any:
+    """`config` with --adaptive-clipping applied to its fine-tuning and DP-MixMin stages."""
+    if args.target_quantile is not None and not args.adaptive_clipping:
+        raise ValueError("argument --target-quantile: needs --adaptive-clipping")
+    if not args.adaptive_clipping:
+        return config
+    from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
+
+    quantile = 0.5 if args.target_quantile is None else args.target_quantile
     try:
-        return text_demo_config(lora_rank=lora_rank)
+        adaptive = AdaptiveClipping(target_quantile=quantile)
+        return dataclasses.replace(
+            config,
+            mixture=dataclasses.replace(config.mixture, adaptive_clipping=adaptive),
+            finetune=dataclasses.replace(config.finetune, adaptive_clipping=adaptive),
+        )
     except ValueError as err:
-        raise ValueError(f"argument --lora-rank: {err}") from err
+        raise ValueError(f"arguments --adaptive-clipping/--target-quantile: {err}") from None
 
 
 def _check_demo_arguments(args: argparse.Namespace) -> None:
@@ -470,7 +509,7 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
     from dpmix_jax.privacy import accounting
 
     accounting.check_delta(args.delta, "argument --delta")
-    config = _with_noise(_demo_config(args.dataset, args.lora_rank), args)
+    config = _demo_config(args)
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     for epsilon in args.epsilons:
         accounting.check_epsilon(epsilon, "argument --epsilons")
@@ -524,9 +563,7 @@ def _run_demo(args: argparse.Namespace, methods: list[str]) -> int:
     start = time.time()
     use_compilation_cache(args.out / "xla_cache")
     config = dataclasses.replace(
-        _with_noise(_demo_config(args.dataset, args.lora_rank), args),
-        delta=args.delta,
-        allow_large_delta=args.allow_large_delta,
+        _demo_config(args), delta=args.delta, allow_large_delta=args.allow_large_delta
     )
     if args.dataset == "image":
         from dpmix_jax.pipeline.image import ImagePipeline

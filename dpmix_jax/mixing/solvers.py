@@ -44,6 +44,11 @@ from dpmix_jax.privacy import (
     randomness,
     sampling,
 )
+from dpmix_jax.privacy.adaptive_clipping import (
+    AdaptiveClipping,
+    centred_count,
+    split_noise_multiplier,
+)
 
 Solver = Literal["mirror_descent", "frank_wolfe"]
 Shift = Literal["none", "mean", "weighted"]
@@ -56,10 +61,12 @@ Examples = dict[str, jax.Array]
 
 
 class SolverTrace(NamedTuple):
-    """Output of a private solver core: the last iterate `(k,)` and every iterate `(T, k)`."""
+    """Output of a private solver core: the last iterate `(k,)` and every iterate `(T, k)`;
+    with adaptive clipping also the clip norms C_1..C_T `(T,)` (after each step's update)."""
 
     weights: jax.Array
     history: jax.Array
+    clip_norms: jax.Array | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,13 +176,18 @@ def _run_private(
     noise_multiplier: jax.Array,
     shift: Shift,
     strategy: tuple[float, ...],
+    adaptive_clipping: AdaptiveClipping | None = None,
+    expected_batch_size: float | None = None,
 ) -> SolverTrace:
     """Scans `update(state, noisy_sum, t)` over the batches; t = 1..T.
 
     `batches`/`masks` are `(T, B)` for example level, `(T, U, G)` for user level. Step t's
     Gaussian draw is `noise.gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`;
     the noise added is that draw correlated by the banded `strategy` coefficients
-    (`correlated_noise.correlate`; (1.0,) adds the draw itself).
+    (`correlated_noise.correlate`; (1.0,) adds the draw itself). With `adaptive_clipping` (C is
+    then C_0; independent noise only): step t's key is split into the sum's and the count's
+    noise keys, the sum is clipped to C_t with noise σ_Δ·C_t, and C_{t+1} comes from the noisy
+    centred count (`privacy.adaptive_clipping`; b = `expected_batch_size`).
     """
     if batches.shape != masks.shape or batches.ndim not in (2, 3):
         raise ValueError(
@@ -188,25 +200,49 @@ def _run_private(
     else:
         grad_sum = clipping.clipped_grad_sum(loss, clip_norm=clip_norm)
     steps = batches.shape[0]
-    stddev = noise_multiplier * clip_norm  # sensitivity C under add/remove of one unit
-    banded = correlated_noise.BandedToeplitzStrategy(coefficients=strategy)
-
-    def body(carry, xs):
-        state, past_noise = carry
-        t, indices, mask, step_key = xs
-        total, _ = grad_sum(to_weights(state), _gather(examples, indices), mask)
-        draw = noise.gaussian_noise_tree(step_key, total, stddev)
-        step_noise, past_noise = correlated_noise.correlate(draw, past_noise, banded)
-        state = update(state, total + step_noise, t)
-        return (state, past_noise), to_weights(state)
-
     xs = (jnp.arange(1, steps + 1), batches, masks, jax.random.split(key, steps))
-    no_noise_yet = tuple(jnp.zeros(init.shape, jnp.float32) for _ in strategy[1:])
-    (state, _), history = jax.lax.scan(body, (init, no_noise_yet), xs)
-    return SolverTrace(to_weights(state), history)
+    if adaptive_clipping is None:
+        stddev = noise_multiplier * clip_norm  # sensitivity C under add/remove of one unit
+        banded = correlated_noise.BandedToeplitzStrategy(coefficients=strategy)
+
+        def body(carry, xs):
+            state, past_noise = carry
+            t, indices, mask, step_key = xs
+            total, _ = grad_sum(to_weights(state), _gather(examples, indices), mask)
+            draw = noise.gaussian_noise_tree(step_key, total, stddev)
+            step_noise, past_noise = correlated_noise.correlate(draw, past_noise, banded)
+            state = update(state, total + step_noise, t)
+            return (state, past_noise), to_weights(state)
+
+        no_noise_yet = tuple(jnp.zeros(init.shape, jnp.float32) for _ in strategy[1:])
+        (state, _), history = jax.lax.scan(body, (init, no_noise_yet), xs)
+        return SolverTrace(to_weights(state), history)
+
+    if len(strategy) != 1:
+        raise ValueError("adaptive clipping runs with independent noise (strategy (1.0,)) only.")
+    sigma_b = adaptive_clipping.count_stddev(expected_batch_size, noise_multiplier)
+    sigma = jnp.asarray(noise_multiplier, jnp.float32)  # traced: σ_Δ as in split_noise_multiplier
+    sigma_delta = jnp.where(sigma > 0, jax.lax.rsqrt(sigma**-2 - (2.0 * sigma_b) ** -2.0), 0.0)
+
+    def adaptive_body(carry, xs):
+        state, clip_t = carry
+        t, indices, mask, step_key = xs
+        noise_key, count_key = jax.random.split(step_key)
+        total, stats = grad_sum(to_weights(state), _gather(examples, indices), mask, clip_t)
+        noisy = total + noise.gaussian_noise_tree(noise_key, total, sigma_delta * clip_t)
+        count_noise = sigma_b * randomness.normal(count_key, 1)[0]
+        count = centred_count(stats["unclipped"], mask) + count_noise
+        clip_t = adaptive_clipping.next_clip_norm(clip_t, 0.5 + count / expected_batch_size)
+        state = update(state, noisy, t)
+        return (state, clip_t), (to_weights(state), clip_t)
+
+    (state, _), (history, clips) = jax.lax.scan(adaptive_body, (init, jnp.float32(clip_norm)), xs)
+    return SolverTrace(to_weights(state), history, clips)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift", "strategy"))
+@functools.partial(
+    jax.jit, static_argnames=("kind", "clip_norm", "shift", "strategy", "adaptive_clipping")
+)
 def run_mirror_descent(
     examples: Examples,
     batches: jax.Array,
@@ -220,6 +256,7 @@ def run_mirror_descent(
     learning_rate: float,
     shift: Shift = DEFAULT_SHIFT,
     strategy: tuple[float, ...] = (1.0,),
+    adaptive_clipping: AdaptiveClipping | None = None,
 ) -> SolverTrace:
     """DP entropic mirror descent (Algorithms 1 and 2) on pre-sampled batches; jitted core.
 
@@ -242,15 +279,19 @@ def run_mirror_descent(
         shift: per-example gradient shift before clipping (static).
         strategy: the coefficients (c_0, ..., c_{b-1}) of BandMF's banded strategy (static):
             the noise is C⁻¹Z (`correlated_noise`); (1.0,) (default) is independent noise.
+        adaptive_clipping: None, or adaptive clipping settings (static): C is then C_0 and the
+            trace holds C_1..C_T (`privacy.adaptive_clipping`; σ_b > σ/2 is checked by
+            `dp_mixmin`, not here).
 
     Returns:
         `SolverTrace(weights=λ_T, history=(λ_1..λ_T))`.
 
     Privacy: with Poisson-sampled batches at rate q, one run is `dpsgd_event(σ, q, T)` under
-    add/remove of one unit (example or user); with a normalised strategy of b bands and cyclic
-    Poisson batches, `correlated_noise.amplified_bandmf_event(σ, q, T, b)`. Nothing is checked
-    here: `dp_mixmin` is the validated entry point; callers of the core must sample and account
-    themselves.
+    add/remove of one unit (example or user), with or without adaptive clipping (whose noise
+    split keeps each step one Gaussian mechanism of multiplier σ); with a normalised strategy of
+    b bands and cyclic Poisson batches, `correlated_noise.amplified_bandmf_event(σ, q, T, b)`.
+    Nothing is checked here: `dp_mixmin` is the validated entry point; callers of the core must
+    sample and account themselves.
     """
 
     def update(logits, noisy_sum, t):
@@ -272,10 +313,14 @@ def run_mirror_descent(
         noise_multiplier=noise_multiplier,
         shift=shift,
         strategy=strategy,
+        adaptive_clipping=adaptive_clipping,
+        expected_batch_size=expected_batch_size,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "clip_norm", "shift", "strategy"))
+@functools.partial(
+    jax.jit, static_argnames=("kind", "clip_norm", "shift", "strategy", "adaptive_clipping")
+)
 def run_frank_wolfe(
     examples: Examples,
     batches: jax.Array,
@@ -287,6 +332,8 @@ def run_frank_wolfe(
     noise_multiplier: float,
     shift: Shift = DEFAULT_SHIFT,
     strategy: tuple[float, ...] = (1.0,),
+    adaptive_clipping: AdaptiveClipping | None = None,
+    expected_batch_size: float | None = None,
 ) -> SolverTrace:
     """DP Frank-Wolfe over the simplex on pre-sampled batches; jitted core.
 
@@ -296,8 +343,9 @@ def run_frank_wolfe(
     γ_t = 2 / (t + 2). Dividing S by b would not change the argmin, so it is skipped.
 
     Args:
-        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift, strategy: as
-            in `run_mirror_descent`.
+        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift, strategy,
+            adaptive_clipping: as in `run_mirror_descent`.
+        expected_batch_size: b, needed only with `adaptive_clipping` (the count's normaliser).
 
     Returns:
         `SolverTrace(weights=λ_T, history=(λ_1..λ_T))`.
@@ -328,6 +376,8 @@ def run_frank_wolfe(
         noise_multiplier=noise_multiplier,
         shift=shift,
         strategy=strategy,
+        adaptive_clipping=adaptive_clipping,
+        expected_batch_size=expected_batch_size,
     )
 
 
@@ -365,6 +415,8 @@ class DpMixMinResult:
             allows publishing a unit in the clear.
         noise: "independent" or "bandmf" (correlated noise with cyclic Poisson sampling).
         bands: b for BandMF, None for independent noise.
+        clip_norms: with adaptive clipping, `(T,)` C_1..C_T (public: post-processing of the
+            noisy counts); None otherwise (`clip_norm` throughout).
     """
 
     weights: np.ndarray
@@ -387,6 +439,7 @@ class DpMixMinResult:
     allow_large_delta: bool = False
     noise: str = "independent"
     bands: int | None = None
+    clip_norms: np.ndarray | None = None
 
     @property
     def event(self) -> dp_accounting.DpEvent:
@@ -421,6 +474,7 @@ def dp_mixmin(
     allow_large_delta: bool = False,
     noise: plan.Noise = "independent",
     bands: int | None = None,
+    adaptive_clipping: AdaptiveClipping | None = None,
 ) -> DpMixMinResult:
     """DP-MixMin: privately learn mixture weights λ from cached proxy outputs.
 
@@ -474,6 +528,9 @@ def dp_mixmin(
             partitions by a keyed hash of their id (the key derived from the run's secret
             seed), partition t mod b sampled at step t with rate q = batch_size / (n / bands).
         bands: b for noise="bandmf" (1 <= b <= steps).
+        adaptive_clipping: None, or `privacy.adaptive_clipping.AdaptiveClipping` settings: the
+            clip norm of the λ-gradients starts at `clip_norm` and follows their target
+            quantile (`result.clip_norms` holds C_1..C_T); same σ, same ε.
 
     Returns:
         A `DpMixMinResult`.
@@ -534,12 +591,23 @@ def dp_mixmin(
     key = randomness.prng_key(seed)
     strategy = dp_plan.strategy()
 
+    if adaptive_clipping is not None:  # refuses σ_b <= σ/2 before anything runs
+        if config.noise == "bandmf":
+            raise ValueError(
+                "adaptive_clipping runs with independent noise; use noise='independent' or no "
+                "adaptive_clipping."
+            )
+        sigma = dp_plan.noise_multiplier
+        split_noise_multiplier(
+            sigma, adaptive_clipping.count_stddev(dp_plan.expected_batch_size, sigma)
+        )
     common = dict(
         kind=kind,
         clip_norm=config.clip_norm,
         noise_multiplier=dp_plan.noise_multiplier,
         shift=shift,
         strategy=(1.0,) if strategy is None else strategy.coefficients,
+        adaptive_clipping=adaptive_clipping,
     )
     if solver == "mirror_descent":
         trace = run_mirror_descent(
@@ -552,7 +620,14 @@ def dp_mixmin(
             **common,
         )
     else:
-        trace = run_frank_wolfe(examples, jnp.asarray(batches), jnp.asarray(masks), key, **common)
+        trace = run_frank_wolfe(
+            examples,
+            jnp.asarray(batches),
+            jnp.asarray(masks),
+            key,
+            expected_batch_size=dp_plan.expected_batch_size,
+            **common,
+        )
 
     history = np.asarray(trace.history)
     _check_finite(history, solver)
@@ -579,6 +654,7 @@ def dp_mixmin(
         allow_large_delta=config.allow_large_delta,
         noise=config.noise,
         bands=config.bands,
+        clip_norms=None if trace.clip_norms is None else np.asarray(trace.clip_norms),
     )
 
 

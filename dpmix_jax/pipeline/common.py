@@ -41,6 +41,7 @@ from dpmix_jax import parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.pipeline import folders
 from dpmix_jax.privacy import accounting, assign_parts, plan, randomness
+from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
 from dpmix_jax.train.checkpoint import json_checksum
 
@@ -86,6 +87,8 @@ class MixtureConfig:
         noise: "independent" (default) or "bandmf" (correlated noise, cyclic Poisson sampling;
             see `mixing.dp_mixmin`).
         bands: b for noise="bandmf" (1 <= b <= steps).
+        adaptive_clipping: None, or adaptive clipping of the λ-gradients (`clip_norm` is then
+            the initial C; same σ and ε, see `privacy.adaptive_clipping`).
     """
 
     steps: int
@@ -99,6 +102,7 @@ class MixtureConfig:
     nonprivate_steps: int = 300
     noise: plan.Noise = "independent"
     bands: int | None = None
+    adaptive_clipping: AdaptiveClipping | None = None
 
     def __post_init__(self) -> None:
         accounting.check_steps(self.steps)
@@ -113,6 +117,13 @@ class MixtureConfig:
         if (self.learning_rate is None) != (self.solver == "frank_wolfe"):
             raise ValueError(
                 "learning_rate is required for mirror descent and unused by Frank-Wolfe."
+            )
+        if self.adaptive_clipping is not None and not isinstance(
+            self.adaptive_clipping, AdaptiveClipping
+        ):
+            raise ValueError(
+                f"adaptive_clipping must be None or an AdaptiveClipping, got "
+                f"{self.adaptive_clipping!r}."
             )
 
 
@@ -825,6 +836,7 @@ class MixturePipeline(abc.ABC):
                 allow_large_delta=self.config.allow_large_delta,
                 noise=settings.noise,
                 bands=settings.bands,
+                adaptive_clipping=settings.adaptive_clipping,
             )
             return {
                 "weights": result.weights,

@@ -3,6 +3,7 @@ dp_accounting; knows no model and no data set."""
 
 from dpmix_jax.privacy import (
     accounting,
+    adaptive_clipping,
     clipping,
     correlated_noise,
     cyclic_sampling,
@@ -21,6 +22,7 @@ from dpmix_jax.privacy.accounting import (
     dpsgd_event,
     epsilon,
 )
+from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
 from dpmix_jax.privacy.clipping import ClippedGradSum, clipped_grad_sum, user_clipped_grad_sum
 from dpmix_jax.privacy.correlated_noise import (
     BandedToeplitzStrategy,
@@ -36,6 +38,7 @@ from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler, group
 
 __all__ = [
     "BandedToeplitzStrategy",
+    "AdaptiveClipping",
     "ClippedGradSum",
     "DpSgdConfig",
     "DpSgdPlan",
@@ -46,6 +49,7 @@ __all__ = [
     "UserPoissonSampler",
     "accounting",
     "add_correlated_noise",
+    "adaptive_clipping",
     "add_gaussian_noise",
     "amplified_bandmf_event",
     "assign_parts",

@@ -6,11 +6,12 @@ C, zeroed if it is padding or not finite, and summed. Dividing by a batch size i
 the caller divides the noisy sum by a public constant (see `noise`).
 
 Sensitivity contract: adding or removing one unit changes the returned sum by at most C in L2 norm
-(`sensitivity()`); replacing one unit changes it by at most 2C. Every unit is clipped by a
-*certified upper bound* of its gradient norm (`norm_upper_bound`: the float32 sum of squares
-taken axis by axis, so that each reduction is short, times the worst-case rounding factor of
-those reductions), so float32 rounding in the norm cannot let a unit exceed C. The sum is
-returned in float32, or float64 for float64 parameters, whatever the parameter dtype: summing
+(`sensitivity()`); replacing one unit changes it by at most 2C. The clip norm may also be given at
+call time (a traced value, as adaptive clipping does): a call with C_t has sensitivity C_t. Every
+unit is clipped by a *certified upper bound* of its gradient norm (`norm_upper_bound`: the float32
+sum of squares taken axis by axis, so that each reduction is short, times the worst-case rounding
+factor of those reductions), so float32 rounding in the norm cannot let a unit exceed C. The sum
+is returned in float32, or float64 for float64 parameters, whatever the parameter dtype: summing
 thousands of clipped units in bfloat16 or float16 rounds the running sum so coarsely that removing
 one unit can move it by several C. Cast to the parameter dtype only after the noise is added.
 
@@ -133,7 +134,7 @@ def sum_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def clip_factor(norm: jax.Array, clip_norm: float, keep: jax.Array) -> jax.Array:
+def clip_factor(norm: jax.Array, clip_norm: float | jax.Array, keep: jax.Array) -> jax.Array:
     """The float32 factor that clips a unit of gradient norm `norm` to at most `clip_norm`.
 
     min(1, C' / norm) with C' = C·(1 - 2⁻²⁰), so that the float32 rounding of the norm and of the
@@ -143,6 +144,17 @@ def clip_factor(norm: jax.Array, clip_norm: float, keep: jax.Array) -> jax.Array
     bound = clip_norm * (1.0 - _FLOAT32_SLACK)
     norm = jnp.asarray(norm, jnp.float32)
     return jnp.where(keep, jnp.minimum(1.0, bound / jnp.maximum(norm, 1e-30)), 0.0)
+
+
+def unclipped(norm: jax.Array, clip_norm: float | jax.Array, keep: jax.Array) -> jax.Array:
+    """Whether a unit is kept, its norm bound finite and at most `clip_norm` (bool).
+
+    Privacy: one bit per unit, computed from the same certified bound the unit is clipped by;
+    their count has sensitivity 1 under add/remove of one unit. Not private until noised
+    (`adaptive_clipping`).
+    """
+    keep = jnp.logical_and(keep, jnp.isfinite(norm))
+    return jnp.logical_and(keep, jnp.asarray(norm, jnp.float32) <= clip_norm)
 
 
 def scale_in_dtype(leaf: jax.Array, factor: jax.Array) -> jax.Array:
@@ -186,18 +198,39 @@ class ClippedGradSum:
     leaves are float32 (float64 for float64 parameters) whatever the parameters' dtype, so that
     the sensitivity holds for the sum itself; add the noise in that dtype and cast afterwards.
     The per-unit stats (`loss`, `grad_norm`: the certified upper bound of the unit's gradient norm
-    that it was clipped by, and `aux` when the loss has one) are *not* private: use them for
-    debugging or pass them through a DP mechanism of their own.
+    that it was clipped by, `unclipped`: whether that bound was at most the clip norm, and `aux`
+    when the loss has one) are *not* private: use them for debugging or pass them through a DP
+    mechanism of their own (`adaptive_clipping` noises the count of `unclipped`). The clip norm
+    may be given at call time, `grad_sum(params, batch, mask, clip_norm)`.
     """
 
-    function: Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict[str, jax.Array]]]
+    function: Callable[..., tuple[PyTree, dict[str, jax.Array]]]
     clip_norm: float
 
-    def __call__(self, params: PyTree, batch: PyTree, mask: jax.Array):
-        return self.function(params, batch, mask)
+    def __call__(
+        self,
+        params: PyTree,
+        batch: PyTree,
+        mask: jax.Array,
+        clip_norm: float | jax.Array | None = None,
+    ):
+        """The clipped sum and per-unit stats, clipped to `clip_norm` (default: `self.clip_norm`).
+
+        `clip_norm` may be a traced float32 scalar C_t > 0 (adaptive clipping); the stats then
+        hold `unclipped`, whether each unit's norm bound was at most C_t (`clipping.unclipped`).
+        """
+        if clip_norm is None:
+            return self.function(params, batch, mask)
+        if isinstance(clip_norm, numbers.Real):
+            clip_norm = check_positive(clip_norm, "clip_norm")
+        return self.function(params, batch, mask, clip_norm)
 
     def sensitivity(self, relation: NeighboringRelation = ADD_OR_REMOVE_ONE) -> float:
-        """The L2 sensitivity of the sum: C for add/remove (and zero-out), 2C for replace-one."""
+        """The L2 sensitivity of the sum: C for add/remove (and zero-out), 2C for replace-one.
+
+        For a call with a clip norm C_t given at call time the same rule holds with C_t for C
+        (adaptive clipping: sensitivity C_t at step t, so its noise stddev is σ_Δ·C_t).
+        """
         if relation == NeighboringRelation.REPLACE_ONE:
             return 2.0 * self.clip_norm
         return self.clip_norm
@@ -213,33 +246,35 @@ def _clipped_sum(
     """Vmaps `unit_value_and_grad` over units, clips each, masks, sums (optionally in chunks).
 
     `unit_value_and_grad(params, unit, unit_mask) -> ((loss, aux), grad)`, and `unit_mask` is the
-    unit's row of the batch mask: a bool for an example, a `(G,)` vector for a user.
+    unit's row of the batch mask: a bool for an example, a `(G,)` vector for a user. The returned
+    function takes the clip norm as an optional last argument (default: `clip_norm`).
     """
 
-    def one_unit(params, unit, unit_mask):
+    def one_unit(params, unit, unit_mask, unit_clip_norm):
         (loss, aux), grad = unit_value_and_grad(params, unit, unit_mask)
         norm = norm_upper_bound(grad)
         keep = jnp.logical_and(jnp.any(unit_mask), jnp.isfinite(norm))
-        factor = clip_factor(norm, clip_norm, keep)
+        factor = clip_factor(norm, unit_clip_norm, keep)
         # Scaled in float32 (or wider) and kept there: the sum must not round in the leaf dtype.
         # jnp.where (not a product) so that a NaN leaf cannot survive a zero scale.
         clipped = jax.tree.map(
             lambda g: jnp.where(keep, g.astype(sum_dtype(g.dtype)) * factor, 0), grad
         )
-        return clipped, {"loss": loss, "grad_norm": norm, "aux": aux}
+        stats = {"loss": loss, "grad_norm": norm, "aux": aux}
+        return clipped, stats | {"unclipped": unclipped(norm, unit_clip_norm, keep)}
 
-    per_unit = jax.vmap(one_unit, in_axes=(None, 0, 0), spmd_axis_name=spmd_axis_name)
+    per_unit = jax.vmap(one_unit, in_axes=(None, 0, 0, None), spmd_axis_name=spmd_axis_name)
 
-    def chunk_sum(params, units, mask):
-        clipped, stats = per_unit(params, units, mask)
+    def chunk_sum(params, units, mask, call_clip_norm):
+        clipped, stats = per_unit(params, units, mask, call_clip_norm)
         return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped), stats
 
-    def function(params, batch, mask):
+    def function(params, batch, mask, call_clip_norm=clip_norm):
         mask = jnp.asarray(mask, dtype=bool)
         num_units = mask.shape[0]
         _check_batch(batch, num_units)
         if microbatch_size is None or microbatch_size >= num_units:
-            total, stats = chunk_sum(params, batch, mask)
+            total, stats = chunk_sum(params, batch, mask, call_clip_norm)
         else:
             if num_units % microbatch_size:
                 raise ValueError(
@@ -250,7 +285,7 @@ def _clipped_sum(
             split = lambda x: x.reshape(chunks, microbatch_size, *x.shape[1:])
 
             def body(acc, chunk):
-                part, stats = chunk_sum(params, *chunk)
+                part, stats = chunk_sum(params, *chunk, call_clip_norm)
                 return optax.tree.add(acc, part), stats
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, sum_dtype(p.dtype)), params)
@@ -310,8 +345,8 @@ def clipped_grad_sum(
         spmd_axis_name: mesh axis that the example axis is sharded over (for `jax.vmap`).
 
     Returns:
-        A `ClippedGradSum` callable `(params, batch, mask) -> (sum, stats)`; `mask` (B,) marks
-        real rows, and padded rows contribute exactly zero.
+        A `ClippedGradSum` callable `(params, batch, mask[, clip_norm]) -> (sum, stats)`;
+        `mask` (B,) marks real rows, and padded rows contribute exactly zero.
 
     Privacy: the returned sum has L2 sensitivity `clip_norm` under add/remove of one example
     (each example's gradient is clipped; padding, masked and non-finite rows contribute zero).

@@ -84,6 +84,7 @@ from dpmix_jax.privacy.clipping import (
     staged_square_sum,
     staged_sum,
     sum_dtype,
+    unclipped,
 )
 
 PyTree = Any
@@ -746,8 +747,9 @@ def ghost_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Clipped
 
     Returns:
         A `ClippedGradSum` `(params, batch, mask) -> (sum, stats)` with `stats["loss"]` and
-        `stats["grad_norm"]` (B,): the certified norm bound each example was clipped by, a
-        drop-in for `clipping.clipped_grad_sum`. The sum is float32 (float64 for float64
+        `stats["grad_norm"]` (B,): the certified norm bound each example was clipped by, and
+        `stats["unclipped"]`, a drop-in for `clipping.clipped_grad_sum` (the clip norm may be
+        given at call time too). The sum is float32 (float64 for float64
         parameters). It raises `ValueError` when a leaf of `params` is not reported to the tape.
 
     Privacy: the returned sum has L2 sensitivity `clip_norm` under add/remove of one example:
@@ -784,7 +786,7 @@ def ghost_user_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Cl
 
 
 def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False) -> Callable:
-    def function(params, batch, mask):
+    def function(params, batch, mask, call_clip_norm=clip_norm):
         mask = jnp.asarray(mask, dtype=bool)
         for leaf in jax.tree.leaves(batch):
             if leaf.shape[: mask.ndim] != mask.shape:
@@ -814,11 +816,12 @@ def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False)
         keeper = _BookKeeper(probe.layers, arrays, grads, group)
         norms = keeper.norm_bounds()
         keep = unit_mask & jnp.isfinite(norms)
-        weights = clip_factor(norms, clip_norm, keep)  # the sums are float32
+        weights = clip_factor(norms, call_clip_norm, keep)  # the sums are float32
         total = _fill(params, keeper.clipped_sums(weights, keep))
         if user_level:
             weighted = jnp.where(example_weights > 0, losses * example_weights, 0)
             losses = weighted.reshape(-1, group).sum(axis=1)
-        return total, {"loss": losses, "grad_norm": norms}
+        within = unclipped(norms, call_clip_norm, keep)
+        return total, {"loss": losses, "grad_norm": norms, "unclipped": within}
 
     return function

@@ -46,6 +46,12 @@ from flax import nnx
 
 from dpmix_jax import parallel
 from dpmix_jax.privacy import accounting, correlated_noise, cyclic_sampling, randomness
+from dpmix_jax.privacy.adaptive_clipping import (
+    AdaptiveClipping,
+    adaptive_private_optimizer,
+    centred_count,
+    current_clip_norm,
+)
 from dpmix_jax.privacy.clipping import (
     ClippedGradSum,
     clipped_grad_sum,
@@ -102,6 +108,10 @@ class TrainConfig:
             microbatches; memory only, the result is the same); must divide `chunk_size` (or
             `pad_multiple`). The ghost path keeps no per-example copy of the model's gradient
             and does not use it (`chunk_size` bounds its memory).
+        adaptive_clipping: private runs: `privacy.adaptive_clipping.AdaptiveClipping` settings
+            to let the clip norm follow a quantile of the units' norms (`clip_norm` is then the
+            initial C_0; C_t lives in the optimizer state; independent noise only). The ε is
+            that of `noise_multiplier`.
         clipping: how per-unit clipped gradient sums are computed (the same sum either way):
             "ghost" (ghost norms and book-keeping, one backward pass: `privacy.ghost`), "vmap"
             (per-unit gradients with `jax.vmap`), or "auto": ghost when every trainable
@@ -136,6 +146,7 @@ class TrainConfig:
     clipping: Clipping = "auto"
     noise: Noise = "independent"
     bands: int | None = None
+    adaptive_clipping: AdaptiveClipping | None = None
     log_every: int | None = 100
     eval_every: int | None = None
     checkpoint_every: int | None = None
@@ -170,12 +181,24 @@ class TrainConfig:
                 f"microbatch_size {self.microbatch_size} must divide the chunk of {unit} units "
                 "(chunk_size, or pad_multiple without chunking)."
             )
+        if self.adaptive_clipping is not None and not isinstance(
+            self.adaptive_clipping, AdaptiveClipping
+        ):
+            raise ValueError(
+                f"adaptive_clipping must be None or an AdaptiveClipping, got "
+                f"{self.adaptive_clipping!r}."
+            )
+        if self.adaptive_clipping is not None and self.noise == "bandmf":
+            raise ValueError(
+                "adaptive_clipping runs with independent noise; use noise='independent' or no "
+                "adaptive_clipping."
+            )
         if self.private:
             if self.clip_norm is None or self.delta is None:
                 raise ValueError("a private run needs clip_norm and delta.")
             self.dp_sgd_config()  # validates ε/σ, δ, C, G together
         else:
-            dp_fields = ("clip_norm", "epsilon", "delta", "noise_multiplier")
+            dp_fields = ("clip_norm", "epsilon", "delta", "noise_multiplier", "adaptive_clipping")
             given = [f for f in dp_fields if getattr(self, f) is not None]
             given += ["bands"] * (self.bands is not None)
             given += ["noise"] * (self.noise != "independent")
@@ -411,14 +434,24 @@ class Trainer:
                 raise ValueError("a private Trainer needs num_units.")
             self.plan = plan_dp_sgd(config.dp_sgd_config(), num_units=int(num_units))
             self.clipping = self._select_clipping(model)
-            self.optimizer = private_optimizer(
-                make_optimizer(config),
-                noise_multiplier=self.plan.noise_multiplier,
-                sensitivity=self._grad_sum(self.frozen, self.rest).sensitivity(),
-                expected_batch_size=self.plan.expected_batch_size,
-                key=noise_key,
-                strategy=self.plan.strategy(),
-            )
+            if config.adaptive_clipping is None:
+                self.optimizer = private_optimizer(
+                    make_optimizer(config),
+                    noise_multiplier=self.plan.noise_multiplier,
+                    sensitivity=self._grad_sum(self.frozen, self.rest).sensitivity(),
+                    expected_batch_size=self.plan.expected_batch_size,
+                    key=noise_key,
+                    strategy=self.plan.strategy(),
+                )
+            else:  # noise σ_Δ·C_t on the sum, σ_b on the count: one mechanism of multiplier σ
+                self.optimizer = adaptive_private_optimizer(
+                    make_optimizer(config),
+                    config.adaptive_clipping,
+                    noise_multiplier=self.plan.noise_multiplier,
+                    initial_clip_norm=config.clip_norm,
+                    expected_batch_size=self.plan.expected_batch_size,
+                    key=noise_key,
+                )
             self.sampler = self.plan.sampler()
             rows = config.chunk_size or config.pad_multiple
             if mesh is not None and rows % mesh.shape[parallel.DATA_AXIS]:
@@ -541,20 +574,36 @@ class Trainer:
             spmd_axis_name=spmd,
         )
 
-    def _chunk_sum(self, params, frozen, rest, acc, batch, mask):
-        """`acc` (float32 or wider, `sum_dtype`) plus the chunk's clipped sum, in acc's dtype."""
-        total, _ = self._grad_sum(frozen, rest)(params, batch, mask)
-        return jax.tree.map(lambda a, t: a + t.astype(a.dtype), acc, total)
+    def _clip_norm(self, opt_state: PyTree) -> jax.Array | None:
+        """C_t of an adaptive run (from the optimizer state); None: the fixed `clip_norm`."""
+        if self.config.adaptive_clipping is None:
+            return None
+        return current_clip_norm(opt_state)
 
-    def _apply(self, state: TrainState, gradient: PyTree) -> tuple[TrainState, jax.Array]:
-        """The updated state and whether all its parameters are finite (checked by `fit`)."""
-        updates, opt_state = self.optimizer.update(gradient, state.opt_state, state.params)
+    def _chunk_sum(self, params, frozen, rest, acc, batch, mask, clip_norm):
+        """`acc` = (sum, centred count) plus the chunk's clipped sum (in the sum's float32 or
+        wider dtype, `sum_dtype`) and its centred count of unclipped units."""
+        acc_sum, acc_count = acc
+        total, stats = self._grad_sum(frozen, rest)(params, batch, mask, clip_norm)
+        acc_sum = jax.tree.map(lambda a, t: a + t.astype(a.dtype), acc_sum, total)
+        return acc_sum, acc_count + centred_count(stats["unclipped"], mask)
+
+    def _apply(
+        self, state: TrainState, gradient: PyTree, count: jax.Array | None = None
+    ) -> tuple[TrainState, jax.Array]:
+        """The updated state and whether all its parameters are finite (checked by `fit`).
+
+        `count`: the centred count of unclipped units (adaptive clipping only).
+        """
+        extra = {} if self.config.adaptive_clipping is None else {"centred_count": count}
+        updates, opt_state = self.optimizer.update(gradient, state.opt_state, state.params, **extra)
         params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, opt_state), _all_finite(params)
 
     def _fused_step(self, state, frozen, rest, batch, mask):
-        total, _ = self._grad_sum(frozen, rest)(state.params, batch, mask)
-        return self._apply(state, total)
+        clip_norm = self._clip_norm(state.opt_state)
+        total, stats = self._grad_sum(frozen, rest)(state.params, batch, mask, clip_norm)
+        return self._apply(state, total, centred_count(stats["unclipped"], mask))
 
     def _public_step(self, state, frozen, rest, batch):
         def mean_loss(params):
@@ -565,7 +614,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- host-side steps
     def clipped_sum(
-        self, params: dict[str, jax.Array], gather: Gather, indices: np.ndarray, mask: np.ndarray
+        self,
+        params: dict[str, jax.Array],
+        gather: Gather,
+        indices: np.ndarray,
+        mask: np.ndarray,
+        clip_norm: jax.Array | None = None,
     ) -> dict[str, jax.Array]:
         """Σ of clipped unit gradients over a padded index batch, accumulated chunk by chunk.
 
@@ -574,15 +628,20 @@ class Trainer:
             gather: reads examples (-1 rows come back zero-filled).
             indices: (B,) example indices, or (U, G) per-user example indices, -1 for padding.
             mask: bool, same shape as `indices`.
+            clip_norm: the clip norm C_t (adaptive clipping); None: `config.clip_norm`.
 
         The sum is accumulated in float32 or wider (`clipping.sum_dtype`), whatever the
         parameters' dtype.
 
         Privacy: the sum has sensitivity `clip_norm` per unit; it is *not* private until noised.
         """
-        acc = self._zeros_fn(params)
+        return self._accumulate(params, gather, indices, mask, clip_norm)[0]
+
+    def _accumulate(self, params, gather, indices, mask, clip_norm):
+        """(`clipped_sum`, the centred count of its unclipped units), chunk by chunk."""
+        acc = (self._zeros_fn(params), jnp.zeros((), jnp.float32))
         for batch, chunk_mask in self._chunks(gather, indices, mask):
-            acc = self._chunk_fn(params, self.frozen, self.rest, acc, batch, chunk_mask)
+            acc = self._chunk_fn(params, self.frozen, self.rest, acc, batch, chunk_mask, clip_norm)
         return acc
 
     def _chunks(self, gather: Gather, indices: np.ndarray, mask: np.ndarray):
@@ -669,7 +728,9 @@ class Trainer:
         if self.config.chunk_size is None:
             ((batch, chunk_mask),) = self._chunks(gather, indices, mask)
             return self._step_fn(state, self.frozen, self.rest, batch, chunk_mask)
-        return self._apply_fn(state, self.clipped_sum(state.params, gather, indices, mask))
+        clip_norm = self._clip_norm(state.opt_state)
+        total, count = self._accumulate(state.params, gather, indices, mask, clip_norm)
+        return self._apply_fn(state, total, count)
 
     def public_step(
         self, state: TrainState, data: IndexedData | BatchFn, rng: np.random.Generator
