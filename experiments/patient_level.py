@@ -56,7 +56,7 @@ class PatientLevelConfig:
     mean_images_per_patient: float = 3.6
     patient_seed: int = 0
     epsilons: tuple[float, ...] = (1.0, 4.0)
-    seeds: tuple[int, ...] = (0, 1)
+    seeds: tuple[int, ...] = (0, 1, 2)
     methods: tuple[str, ...] = ("dp_mixmin", "uniform", "random_init")
     image_size: int = 16
 
@@ -163,7 +163,8 @@ def main(config: PatientLevelConfig, out: pathlib.Path, *, reproducible: bool = 
 
 
 def table_rows(units: dict, config: PatientLevelConfig) -> list[dict]:
-    """Per method and ε: mean ± std test AUC of each unit, the difference, and the spent ε."""
+    """Per method and ε: mean ± std test AUC of each unit, the difference, the spent ε, and
+    the mean cosine of λ to the true λ* (None for Random Init, which has no λ)."""
     rows = []
     for eps in config.epsilons:
         for method in config.methods:
@@ -174,6 +175,7 @@ def table_rows(units: dict, config: PatientLevelConfig) -> list[dict]:
                     "epsilon": eps,
                     **{f"{u}_auc": [c["mean"], c["std"]] for u, c in cells.items()},
                     **{f"{u}_spent_epsilon": c["spent"] for u, c in cells.items()},
+                    **{f"{u}_cosine_true": c.get("cosine_true") for u, c in cells.items()},
                     "patient_minus_image": cells["patient"]["mean"] - cells["image"]["mean"],
                 }
             )
@@ -190,19 +192,23 @@ def markdown(results: dict) -> str:
         "",
         f"{results['train_images']} train images of {results['train_patients']} synthetic "
         f"patients. Test AUC, mean ± std over {seeds} seeds; ε spent: the accountants', max "
-        "over seeds, for the stated unit.",
+        "over seeds, for the stated unit; cos(λ, λ*): the mean cosine of the pretraining "
+        "mixture to the true one.",
         "",
         f"| method | ε | AUC, (ε, δ) {image_label} | ε spent | AUC, (ε, δ) {patient_label} "
-        "| ε spent | patient − image |",
-        "|---|---|---|---|---|---|---|",
+        "| ε spent | patient − image | cos(λ, λ*) image / patient |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in results["table"]:
+        cosines = (row["image_cosine_true"], row["patient_cosine_true"])
+        cosine = "" if None in cosines else f"{cosines[0]:.3f} / {cosines[1]:.3f}"
         lines.append(
             f"| {row['method']} | {row['epsilon']:g} | "
             f"{row['image_auc'][0]:.4f} ± {row['image_auc'][1]:.4f} | "
             f"{row['image_spent_epsilon']:.3f} | "
             f"{row['patient_auc'][0]:.4f} ± {row['patient_auc'][1]:.4f} | "
-            f"{row['patient_spent_epsilon']:.3f} | {row['patient_minus_image']:+.4f} |"
+            f"{row['patient_spent_epsilon']:.3f} | {row['patient_minus_image']:+.4f} | "
+            f"{cosine} |"
         )
     lines += [
         "",

@@ -184,6 +184,13 @@ def test_a_stage_at_another_level_is_refused():
         image.with_privacy_unit(config, "image", 2)
 
 
+def test_the_unit_and_g_key_the_stored_stages(task, tmp_path):
+    units = [("image", None), ("patient", 2), ("patient", 3)]
+    pipelines = [ImagePipeline(task, tiny_config(*unit), tmp_path) for unit in units]
+    assert len({p.settings_folder() for p in pipelines}) == len(units)
+    assert len({p.config_key for p in pipelines}) == len(units)
+
+
 def test_patient_level_needs_patient_ids(task, tmp_path):
     anonymous = ArraySource(task.train.gather(np.arange(len(task.train))))
     with pytest.raises(ValueError, match="privacy_unit 'patient' needs the patient of every"):
