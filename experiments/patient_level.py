@@ -188,7 +188,7 @@ def markdown(results: dict) -> str:
     image_label, patient_label = units["image"]["privacy_unit"], units["patient"]["privacy_unit"]
     seeds = len(results["config"]["seeds"])
     lines = [
-        f"# Image vs patient privacy unit at equal ε ({results['task']})",
+        f"## Image vs patient privacy unit at equal ε ({results['task']})",
         "",
         f"{results['train_images']} train images of {results['train_patients']} synthetic "
         f"patients. Test AUC, mean ± std over {seeds} seeds; ε spent: the accountants', max "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -82,3 +83,17 @@ def test_tiny_study_writes_both_units(tmp_path):
     for row in results["table"]:
         assert f"{row['image_auc'][0]:.4f}" in text and f"{row['patient_minus_image']:+.4f}" in text
     assert "AUC, (ε, δ) per patient (user-level, up to 4 images)" in text
+
+
+def test_docs_page_shows_the_stored_results():
+    root = pathlib.Path(__file__).parents[1]
+    results = json.loads((root / "docs" / "results" / "patient_level.json").read_text())
+    page = (root / "docs" / "patient-level.md").read_text()
+    assert patient_level.markdown(results) in page
+    assert results["noise_seeded"] and results["provenance"]["commit"]
+    assert all(
+        row["image_spent_epsilon"] <= row["epsilon"] * (1 + 1e-6) for row in results["table"]
+    )
+    assert all(
+        row["patient_spent_epsilon"] <= row["epsilon"] * (1 + 1e-6) for row in results["table"]
+    )

@@ -197,7 +197,7 @@ class ImagePipelineConfig:
 
 
 def with_privacy_unit(
-    config: ImagePipelineConfig, unit: str, max_images_per_patient: int | None = None
+    config: ImagePipelineConfig, unit: PrivacyUnit, max_images_per_patient: int | None = None
 ) -> ImagePipelineConfig:
     """`config` with privacy unit `unit`, both private stages set to its level.
 
