@@ -9,9 +9,10 @@ both units. Each unit runs DP-MixMin, Uniform and Random Init at every ε and se
 
 - image: the paper's unit, the pipeline defaults (example-level DP in both private stages);
 - patient: user-level DP in both private stages, up to G images per sampled patient, with the
-  expected batch (mixture and fine-tuning) divided by the mean images per patient, so that both
-  units sample the same expected fraction of their units per step (the same rate q, hence the
-  same σ at the same ε and T).
+  expected batch (mixture and fine-tuning) divided by the design mean of images per patient, so
+  that both units sample about the same fraction of their units per step (about the same rate q,
+  hence about the same σ at the same ε and T; the drawn patients' mean differs from the design
+  mean by chance).
 
 Writes `results.json` (config, command, commit, date, wall time, whether the noise was seeded,
 the table) and `results.md`, with each unit's comparison under `image/` and `patient/`.
@@ -75,7 +76,8 @@ class PatientLevelConfig:
 
     def unit_pipelines(self) -> dict[str, image.ImagePipelineConfig]:
         """The pipeline settings of each unit: the image unit's as given; the patient unit's with
-        both expected batches divided by the mean images per patient (the same rate q)."""
+        both expected batches divided by the design mean of images per patient (about the same
+        rate q)."""
         base = self.pipeline
         scale = 1 / self.mean_images_per_patient
         patient = dataclasses.replace(
@@ -95,7 +97,7 @@ def with_synthetic_patients(
     task: SharedInputTask, *, mean_images: float, seed: int
 ) -> SharedInputTask:
     """`task` whose train images belong to synthetic patients (their `user_ids` and
-    `group_ids`): sizes 1 + Geometric, mean `mean_images`, images assigned at random.
+    `group_ids`): geometric sizes (1, 2, ...) of mean `mean_images`, images assigned at random.
 
     Privacy: the grouping depends only on the public `seed` and the split's size.
     """
@@ -215,7 +217,9 @@ def markdown(results: dict) -> str:
         f"Expected batches: image unit {units['image']['mixture_batch_size']:g} (mixture) and "
         f"{units['image']['finetune_batch_size']} (fine-tuning) images; patient unit "
         f"{units['patient']['mixture_batch_size']:g} and {units['patient']['finetune_batch_size']}"
-        " patients (the same sampling rate).",
+        f" patients (batches divided by the design mean of "
+        f"{results['config']['mean_images_per_patient']:g} images per patient; the drawn "
+        f"patients have {results['train_images'] / results['train_patients']:.2f}).",
         "",
         SEEDED_NOTE if results["noise_seeded"] else "Private randomness secret (operating system).",
         f"Command: `{results['provenance']['command']}`, commit {results['provenance']['commit']}"
