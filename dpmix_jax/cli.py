@@ -36,6 +36,7 @@ EXPERIMENTS = {
     "k_scaling": "excess MixMin loss against the number of public sources k",
     "ablations": "ρ, proxy epochs, and parallel vs sequential composition",
     "per_task": "per-task AUC gains over Random Init, prevalence groups, a rare-label task's λ",
+    "patient_level": "image vs patient privacy unit at equal ε (user-level DP over patients)",
     "small_eps": "λ's cosine to non-private MixMin at ε = 0.2 and 1, and a mixture-settings sweep",
     "rho_guide": "sufficient mixture size from the error bound vs measured excess loss over n",
     "gsd": "gradient subspace distance source selection vs DP-MixMin on shared inputs",

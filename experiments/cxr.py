@@ -1,8 +1,14 @@
 """NIH ChestX-ray14 experiments (shared by `nih_chexpert` and `nih_mimic`): one DP-MixMin
-comparison per finding, then macro AUC over the findings. See `experiments/configs/nih.py`."""
+comparison per finding, then macro AUC over the findings. See `experiments/configs/nih.py`.
+
+`--privacy-unit` chooses what each (ε, δ) protects: one image (the paper's unit, the default) or
+one patient with all of their images (user-level DP in both private stages, up to
+`--max-images-per-patient` images of a sampled patient per step). Every output names it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -10,11 +16,14 @@ import numpy as np
 
 from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from dpmix_jax.data import cxr
-from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
+from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import summarize
 from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.nih import CxrExperimentConfig, get_config
+
+# G of `--privacy-unit patient` unless given: a NIH patient has 3.6 images on average.
+DEFAULT_MAX_IMAGES_PER_PATIENT = 4
 
 
 def _require(path: pathlib.Path, what: str) -> None:
@@ -52,14 +61,19 @@ def real_tasks(
     ]
 
 
-def macro_table(per_task: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """Macro AUC per (method, ε): the mean over tasks of each task's mean over seeds."""
+def macro_table(per_task: dict[str, dict], privacy_unit: str) -> dict[str, dict]:
+    """Macro AUC per (method, ε): the mean over tasks of each task's mean over seeds; each row
+    names what its ε protects (`privacy_unit`, e.g. "per image")."""
     cells: dict[tuple[str, float], list[float]] = {}
     for results in per_task.values():
         for (method, eps), row in summarize(results).items():
             cells.setdefault((method, eps), []).append(row["mean"])
     return {
-        f"{m} eps={e:g}": {"macro_auc": float(np.mean(v)), "tasks": len(v)}
+        f"{m} eps={e:g}": {
+            "macro_auc": float(np.mean(v)),
+            "tasks": len(v),
+            "privacy_unit": privacy_unit,
+        }
         for (m, e), v in sorted(cells.items())
     }
 
@@ -71,12 +85,14 @@ def main(
     reproducible: bool = False,
     **roots: pathlib.Path,
 ) -> dict:
-    """Runs every task's comparison and writes `macro.json` and `macro.md` to `out_dir`."""
+    """Runs every task's comparison and writes `macro.json` and `macro.md` to `out_dir`, each
+    naming the privacy unit of its ε (`image.privacy_unit_label`)."""
     if config.public == "digits":
         tasks = presets.digit_tasks(image_size=config.image_size, num_tasks=config.tasks)
     else:
         tasks = real_tasks(config, roots["nih_root"], roots["public_root"])
     use_compilation_cache(out_dir / "xla_cache")
+    unit = image.privacy_unit_label(config.pipeline)
     per_task = {}
     for index, task in enumerate(tasks):
         task_dir = out_dir / f"task{index}"
@@ -91,11 +107,13 @@ def main(
             out_dir=task_dir,
             true_weights=task.true_weights,
             source_names=task.source_names,
+            privacy_unit=unit,
         )
-    macro = macro_table(per_task)
+    macro = macro_table(per_task, unit)
     (out_dir / "macro.json").write_text(json.dumps(macro, indent=1))
-    lines = ["| method, ε | macro AUC | tasks |", "|---|---|---|"]
+    lines = [f"| method, ε {unit} | macro AUC | tasks |", "|---|---|---|"]
     lines += [f"| {k} | {v['macro_auc']:.4f} | {v['tasks']} |" for k, v in macro.items()]
+    lines += ["", f"Each ε is an (ε, δ = {config.pipeline.delta:g}) guarantee {unit}."]
     lines += ["", SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."]
     (out_dir / "macro.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -111,6 +129,8 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
             "--preset cpu",
             f"--preset paper --nih-root data/nih --public-root data/{public}",
             f"--preset paper --smoke --nih-root FIXTURE/nih --public-root FIXTURE/{public}",
+            f"--preset paper --privacy-unit patient --max-images-per-patient 4 "
+            f"--nih-root data/nih --public-root data/{public}",
         ),
     )
     parser.add_argument(
@@ -135,12 +155,40 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         "of batch 2 per stage, one seed, ε = 1 and one finding (a test that the paper path "
         "runs on a small folder of the real layouts; its AUCs mean nothing)",
     )
+    parser.add_argument(
+        "--privacy-unit",
+        choices=image.PRIVACY_UNITS,
+        default="image",
+        help="what each (ε, δ) protects: image (example-level DP, the paper's unit) or patient "
+        "(user-level DP: both private stages sample patients and clip the mean gradient of up "
+        "to --max-images-per-patient of their images; needs --preset paper)",
+    )
+    parser.add_argument(
+        "--max-images-per-patient",
+        type=int,
+        default=None,
+        metavar="G",
+        help="with --privacy-unit patient: the images a sampled patient contributes per step "
+        f"(default {DEFAULT_MAX_IMAGES_PER_PATIENT}; a patient's other images are left out of "
+        "that step)",
+    )
     add_reproducible_flag(parser, seeds="the config's seeds")
     args = parser.parse_args(argv)
     if args.smoke and args.preset != "paper":
         parser.error("--smoke applies to --preset paper")
+    config = get_config(public, args.preset, smoke=args.smoke)
+    if args.privacy_unit == "patient" and args.preset != "paper":
+        parser.error("--privacy-unit patient needs NIH patient ids: use --preset paper")
+    limit = args.max_images_per_patient
+    if limit is not None and args.privacy_unit != "patient":
+        parser.error("--max-images-per-patient applies to --privacy-unit patient")
+    if limit is not None and limit < 1:
+        parser.error(f"--max-images-per-patient must be an integer >= 1, got {limit}")
+    if args.privacy_unit == "patient" and limit is None:
+        limit = DEFAULT_MAX_IMAGES_PER_PATIENT
+    pipeline = image.with_privacy_unit(config.pipeline, args.privacy_unit, limit)
     return main(
-        get_config(public, args.preset, smoke=args.smoke),
+        dataclasses.replace(config, pipeline=pipeline),
         args.out,
         nih_root=args.nih_root,
         public_root=args.public_root,

@@ -2,10 +2,10 @@
 
 Each loader returns a `CxrDataset`: a `Source` whose examples are
 `{"image": float32 (H, W, 1) in [0, 1], "labels": float32 (14,)}`, with `.labels` (n, 14),
-`.label_names` (the data set's 14 names in its canonical order), `.patient_ids` (its `group_ids`),
-`.paths`, `.views` and `.skipped` (reason -> count of rows left out on purpose). Images are read
-lazily with Pillow, converted to grayscale, scaled by their bit depth (8 or 16 bits) and resized
-bilinearly to `image_size`.
+`.label_names` (the data set's 14 names in its canonical order), `.patient_ids` (its `group_ids`,
+and its `user_ids` for patient-level DP), `.paths`, `.views` and `.skipped` (reason -> count of
+rows left out on purpose). Images are read lazily with Pillow, converted to grayscale, scaled by
+their bit depth (8 or 16 bits) and resized bilinearly to `image_size`.
 
 Label handling: NIH `Finding Labels` are `|`-joined names, `No Finding` means all zeros. CheXpert
 and MIMIC-CXR observations are 1.0 / 0.0 / -1.0 (uncertain) / blank; uncertain and blank map to 0
@@ -137,6 +137,11 @@ class CxrDataset(Source):
 
     @property
     def group_ids(self) -> np.ndarray:
+        return self.patient_ids
+
+    @property
+    def user_ids(self) -> np.ndarray:
+        """The patient of each image: the unit of patient-level (user-level) DP."""
         return self.patient_ids
 
     def image(self, i: int) -> np.ndarray:

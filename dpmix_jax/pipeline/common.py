@@ -461,6 +461,7 @@ class MixturePipeline(abc.ABC):
     """
 
     higher_is_better: bool
+    unit_name: str = "units"  # what the δ check counts (e.g. "patients"), for its message
 
     def __init__(
         self,
@@ -724,7 +725,7 @@ class MixturePipeline(abc.ABC):
             accounting.check_delta_for_units(
                 self.config.delta,
                 len(np.unique(unit_ids[rows])),
-                unit=f"units in {part}",
+                unit=f"{self.unit_name} in {part}",
                 name="delta",
                 allow_large_delta=self.config.allow_large_delta,
             )

@@ -9,7 +9,8 @@ package version and machine of the run, so that a number copied from it can be t
 `noise_seeded` (per run, and overall when any run was) is True when the seeds drove the private
 randomness: reproducible, and not private against anyone who knows the seed (`results.md` then
 says `privacy.SEEDED_NOTE`); otherwise the randomness was secret and `seed` only numbers the
-repetition.
+repetition. `privacy_unit`, when the caller names it, says what each (ε, δ) protects ("per image",
+"per patient (user-level, up to 4 images)"); the tables' caption repeats it.
 """
 
 from __future__ import annotations
@@ -187,6 +188,7 @@ def run_comparison(
     source_names: Sequence[str] | None = None,
     reference_method: str | None = "nonprivate_mixmin",
     progress: bool = True,
+    privacy_unit: str | None = None,
 ) -> dict[str, Any]:
     """Runs every (method, ε, seed), then writes `results.json`, `results.md` and plots.
 
@@ -202,6 +204,7 @@ def run_comparison(
         source_names: names of the k public sources (for the weights plot).
         reference_method: whose λ DP-MixMin's is compared with per seed (cosine, L1).
         progress: show a progress bar (run, stage and step).
+        privacy_unit: what each (ε, δ) protects, e.g. "per image" (stored and shown when given).
 
     Returns:
         The `results.json` content.
@@ -243,6 +246,8 @@ def run_comparison(
             "reused_runs": bar.reused_runs,
             "provenance": provenance(),
         }
+        if privacy_unit is not None:
+            results["privacy_unit"] = privacy_unit
         _add_weight_quality(results, reference_method)
 
         def write():
@@ -378,7 +383,8 @@ def budget_table(results: dict[str, Any]) -> str:
 def utility_caption(results: dict[str, Any]) -> str:
     arrow = "higher is better" if results["higher_is_better"] else "lower is better"
     metric = results["metric"][:1].upper() + results["metric"][1:]
-    return f"{metric}, mean ± std over {seed_count(results)} seeds ({arrow}):"
+    unit = f"; (ε, δ) {results['privacy_unit']}" if results.get("privacy_unit") else ""
+    return f"{metric}, mean ± std over {seed_count(results)} seeds ({arrow}){unit}:"
 
 
 def provenance_line(results: dict[str, Any]) -> str:

@@ -15,6 +15,12 @@ The end-to-end budget is the parallel composition of stages 4 and 6 (disjoint da
 `composition="sequential"` nothing is split: both stages read the whole train split, at
 ε_mix = share·ε and ε_ft = (1 - share)·ε, and the budgets add up.
 
+The privacy unit (`ImagePipelineConfig.privacy_unit`) is one image by default (the paper's
+setting), or one patient: user-level DP, in which both private stages Poisson-sample patients,
+average the gradients of up to G of a sampled patient's images and clip that average, so the
+guarantee covers adding or removing a patient with all of their images (`with_privacy_unit`
+sets the stages' level and G together; `privacy_unit_label` names the guarantee in outputs).
+
 Each downstream task is its own private run with its own budget, as in the paper's per-task
 experiments; releasing several tasks' models trained on the same patients composes.
 """
@@ -24,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from typing import Any
+import os
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -37,6 +45,9 @@ from dpmix_jax.pipeline import common
 from dpmix_jax.privacy import accounting
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.proxies import nll_matrix
+
+PrivacyUnit = Literal["image", "patient"]
+PRIVACY_UNITS: tuple[PrivacyUnit, ...] = ("image", "patient")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,6 +130,12 @@ class ImagePipelineConfig:
         finetune: private fine-tuning; its `epsilon` and `delta` are replaced by each run's.
         random_search_candidates: m, the Random Search baseline's number of Dirichlet(1) draws.
         eval_batch_size: rows per evaluation batch.
+        privacy_unit: what the guarantee protects: "image" (example-level DP, the paper's unit)
+            or "patient" (user-level DP: both private stages sample patients and clip the mean
+            gradient of up to `max_images_per_patient` of their images; `mixture` and
+            `finetune` must then be user level with that G, see `with_privacy_unit`).
+        max_images_per_patient: G, the images a sampled patient contributes per step (patient
+            level only).
     """
 
     delta: float = 1e-5
@@ -134,6 +151,8 @@ class ImagePipelineConfig:
     finetune: TrainConfig
     random_search_candidates: int = 4
     eval_batch_size: int = 256
+    privacy_unit: PrivacyUnit = "image"
+    max_images_per_patient: int | None = None
 
     def __post_init__(self) -> None:
         accounting.check_delta(self.delta)
@@ -147,6 +166,70 @@ class ImagePipelineConfig:
             raise ValueError("the finetune stage must be private (private=True).")
         if not isinstance(self.random_search_candidates, int) or self.random_search_candidates < 1:
             raise ValueError("random_search_candidates must be an integer >= 1.")
+        self._check_privacy_unit()
+
+    def _check_privacy_unit(self) -> None:
+        """Refuses a unit whose private stages do not all run at its level with its G."""
+        if self.privacy_unit not in PRIVACY_UNITS:
+            raise ValueError(
+                f"privacy_unit must be 'image' or 'patient', got {self.privacy_unit!r}."
+            )
+        patient_level = self.privacy_unit == "patient"
+        limit = self.max_images_per_patient
+        if patient_level and not (isinstance(limit, int) and limit >= 1):
+            raise ValueError(
+                f"max_images_per_patient must be an integer >= 1 at patient level, got {limit!r}."
+            )
+        if not patient_level and limit is not None:
+            raise ValueError("max_images_per_patient is for privacy_unit='patient'; remove it.")
+        level = "user" if patient_level else "example"
+        stages = {
+            "finetune.level": (self.finetune.level, level),
+            "finetune.max_examples_per_user": (self.finetune.max_examples_per_user, limit),
+            "mixture.max_examples_per_user": (self.mixture.max_examples_per_user, limit),
+        }
+        for name, (value, wanted) in stages.items():
+            if value != wanted:
+                raise ValueError(
+                    f"{name} is {value!r} but privacy_unit {self.privacy_unit!r} needs {wanted!r};"
+                    " set the unit with image.with_privacy_unit."
+                )
+
+
+def with_privacy_unit(
+    config: ImagePipelineConfig, unit: PrivacyUnit, max_images_per_patient: int | None = None
+) -> ImagePipelineConfig:
+    """`config` with privacy unit `unit`, both private stages set to its level.
+
+    Args:
+        config: the pipeline settings (at either unit).
+        unit: "image" (example-level DP) or "patient" (user-level DP).
+        max_images_per_patient: G, required for "patient" and refused for "image".
+
+    Privacy: at patient level DP-MixMin and DP-SGD sample patients and clip the mean gradient
+    of up to G images per patient, so each stage's (ε, δ) holds per patient.
+    """
+    if unit not in PRIVACY_UNITS:
+        raise ValueError(f"privacy unit must be 'image' or 'patient', got {unit!r}.")
+    limit = max_images_per_patient if unit == "patient" else None
+    if unit == "image" and max_images_per_patient is not None:
+        raise ValueError("max_images_per_patient is for the patient unit; remove it.")
+    level = "user" if unit == "patient" else "example"
+    return dataclasses.replace(
+        config,
+        privacy_unit=unit,
+        max_images_per_patient=limit,
+        mixture=dataclasses.replace(config.mixture, max_examples_per_user=limit),
+        finetune=dataclasses.replace(config.finetune, level=level, max_examples_per_user=limit),
+    )
+
+
+def privacy_unit_label(config: ImagePipelineConfig) -> str:
+    """What one (ε, δ) of a run protects, for outputs: "per image" or "per patient (user-level,
+    up to G images)"."""
+    if config.privacy_unit == "patient":
+        return f"per patient (user-level, up to {config.max_images_per_patient} images)"
+    return "per image"
 
 
 def _subset_gather(source: Source, rows: np.ndarray, task_index: int | None):
@@ -182,9 +265,40 @@ def row_digests(source: Source, *, chunk: int = 1024) -> list[bytes]:
 
 class ImagePipeline(common.MixturePipeline):
     """DP-MixMin and its baselines on one `SharedInputTask` (`ImagePipelineConfig`), with stages
-    stored under `root` (see `common.MixturePipeline` for the arguments)."""
+    stored under `root` (see `common.MixturePipeline` for the arguments).
+
+    Raises:
+        ValueError: a patient-level config on a task whose train split has no patient ids
+            (`user_ids`).
+    """
 
     higher_is_better = True
+
+    def __init__(
+        self,
+        task: SharedInputTask,
+        config: ImagePipelineConfig,
+        root: str | os.PathLike,
+        *,
+        on_stage: Callable[[str], None] | None = None,
+        reproducible: bool = False,
+    ):
+        super().__init__(task, config, root, on_stage=on_stage, reproducible=reproducible)
+        if self.patient_level and task.train.user_ids is None:
+            raise ValueError(
+                f"privacy_unit 'patient' needs the patient of every train image (user_ids), "
+                f"which {task.name!r} does not have; use privacy_unit 'image'."
+            )
+
+    @property
+    def patient_level(self) -> bool:
+        """Whether the privacy unit is a patient (user-level DP in both private stages)."""
+        return self.config.privacy_unit == "patient"
+
+    @property
+    def unit_name(self) -> str:
+        """What the δ check counts: patients at patient level, else the split's units."""
+        return "patients" if self.patient_level else "units"
 
     @property
     def k(self) -> int:
@@ -208,10 +322,20 @@ class ImagePipeline(common.MixturePipeline):
 
     # ------------------------------------------------------------------ stages
     def split_unit_ids(self) -> np.ndarray | list[bytes]:
-        """Patient ids where the source has them (D_mix and D_ft are then patient-disjoint),
-        else a digest of each example's content (`row_digests`)."""
+        """The patient of each image at patient level; otherwise patient ids where the source
+        has them (D_mix and D_ft are then patient-disjoint), else a digest of each example's
+        content (`row_digests`)."""
+        if self.patient_level:
+            return self._patients(np.arange(len(self.task.train)))
         groups = self.task.train.group_ids
         return row_digests(self.task.train) if groups is None else groups
+
+    def _patients(self, rows: np.ndarray) -> np.ndarray:
+        """The patient (user id) of the train images at `rows`.
+
+        Privacy: patient ids only decide the grouping, which is what patient-level DP protects.
+        """
+        return np.asarray(self.task.train.user_ids)[rows]
 
     def _fit_public(self, name: str, seed: int, config: TrainConfig, model, loss) -> nnx.Module:
         store = self._store(seed)
@@ -261,8 +385,13 @@ class ImagePipeline(common.MixturePipeline):
         return np.asarray(self._store(seed).json(name, compute)["nll"])
 
     def mixture_inputs(self, seed: int) -> dict[str, Any]:
-        """The `nll` proxy outputs on D_mix, as `dp_mixmin` / `mixmin` arguments."""
-        return {"preds": self.proxy_outputs(seed), "kind": "nll"}
+        """The `nll` proxy outputs on D_mix (and at patient level each row's patient, the unit
+        `dp_mixmin` samples), as `dp_mixmin` / `mixmin` arguments."""
+        inputs: dict[str, Any] = {"preds": self.proxy_outputs(seed), "kind": "nll"}
+        if self.patient_level:
+            mix, _ = self.split(seed)
+            inputs["user_ids"] = self._patients(mix)
+        return inputs
 
     def pretrained(self, weights: np.ndarray | None, seed: int) -> nnx.Module:
         """The downstream model pretrained on the public pool with target Σ λ_i y_i (or a fresh
@@ -278,20 +407,24 @@ class ImagePipeline(common.MixturePipeline):
     def finetune_trainer(
         self, init: nnx.Module, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
     ) -> tuple[Trainer, IndexedData]:
-        """Example-level DP-SGD on the multi-label BCE of the task's labels at `rows`.
+        """DP-SGD on the multi-label BCE of the task's labels at `rows`.
 
-        Privacy: one unit per example; the rows are read only by the accounted trainer.
+        Privacy: one unit per image, or at patient level per patient (Poisson-sampled patients,
+        the mean gradient of up to G of their images clipped; `num_units` counts the patients
+        among `rows`); the rows are read only by the accounted trainer.
         """
+        patients = self._patients(rows) if self.patient_level else None
         trainer = Trainer(
             config,
             init,
             losses.sigmoid_bce(target_key="labels"),
-            num_units=len(rows),
+            num_units=len(rows) if patients is None else len(np.unique(patients)),
             noise_key=noise_key,
         )
         data = IndexedData(
             gather=_subset_gather(self.task.train, rows, self.task.task_index),
             num_examples=len(rows),
+            user_ids=patients,
         )
         return trainer, data
 

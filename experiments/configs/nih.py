@@ -30,6 +30,17 @@ small folder:
         --out DIR
 Its AUCs measure nothing (one step); it checks that every stage runs and writes macro.md.
 
+Privacy unit: by default each (ε, δ) protects one image, the paper's unit; a NIH patient has 3.6
+images on average, so it does not protect a patient. `--privacy-unit patient` (paper preset only:
+it needs NIH's patient ids) makes both private stages user level over patients: DP-MixMin and
+DP-SGD Poisson-sample patients and clip the mean gradient of up to `--max-images-per-patient` G
+of a sampled patient's images (default 4), δ is checked against the number of patients, and every
+output says which unit its ε is for ("per image", "per patient (user-level, up to G images)"):
+    python -m experiments.nih_chexpert --preset paper --privacy-unit patient \
+        --max-images-per-patient 4 --nih-root DIR --public-root DIR --out DIR
+The expected batch sizes then count patients, not images. `experiments/patient_level.py`
+measures the utility cost of the patient unit on the digits stand-in (`docs/patient-level.md`).
+
 The `cpu` preset runs the same code on the embedded digits default (3 sensitive tasks, MLP, a
 few minutes on 2 CPU cores). Expected: DP-MixMin's macro AUC above Uniform's and Random Init's at
 every ε, and its λ close to λ* (cosine > 0.9).
