@@ -752,7 +752,8 @@ def run(config: BenchConfig) -> dict:
     import torch
 
     torch.set_num_threads(jax_threads())
-    start, load_before = time.time(), os.getloadavg()
+    # Read before anything runs: the commit is that of the code the run starts from.
+    origin, start, load_before = provenance(), time.time(), os.getloadavg()
     results = []
     for spec in config.models:
         for batch_size in spec.batch_sizes:
@@ -760,7 +761,7 @@ def run(config: BenchConfig) -> dict:
     mixmin = bench_mixmin(config) if config.mixmin_sources else []
     pate = bench_pate(config) if config.pate_teachers else []
     return {
-        "provenance": provenance(),
+        "provenance": origin,
         "wall_seconds": time.time() - start,
         "load_average_before": list(load_before),
         "load_average_after": list(os.getloadavg()),
