@@ -47,7 +47,6 @@ EXPERIMENTS = {
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
     "discrete_noise": "exact discrete noise for vote counts: sampler speed, ε vs continuous noise",
     "bench_grads": "per-example gradient throughput against non-private steps and Opacus",
-    "lora_bench": "LoRA vs full fine-tuning of GPT-2: DP / non-private step time and memory",
 }
 
 # The pipeline's methods (`pipeline.METHODS`; spelled out so that `--help` needs no JAX import).

@@ -8,22 +8,33 @@ the median over all steps and the min-max of the per-round medians are reported)
 - nonprivate: `jax.value_and_grad` of the mean loss + optax SGD;
 - dp_vmap / dp_microbatch / dp_ghost: `privacy.make_dp_sgd_step` (clipped sum, Gaussian noise,
   division by the batch size, SGD) with the clipped sum from `train.ghost_models`;
+- dp_bandmf: the same step with the ghost clipped sum and BandMF correlated noise of `bands`
+  bands (`privacy.correlated_noise.sqrt_prefix_sum`), whose optimizer state keeps b - 1 float32
+  noise vectors (they show in the memory estimate);
 - trainer_dp: the `train.Trainer`'s private step as the pipelines run it (its default clipping;
   the index batch gathered on the host, then clipped sum, noise and SGD in one jitted call), on
   the same model and batch;
+- lora_nonprivate / lora_dp (GPT-2 only): rank-r adapters (`models.lora`, α = `lora_alpha`) on
+  every attention and MLP projection, the base frozen; the `Trainer`'s public step (mean loss,
+  SGD) and its private step as for trainer_dp (its default clipping picks ghost clipping);
 - opacus_nonprivate / opacus_dp: the same architecture in PyTorch, plain and through Opacus
   (`grad_sample_mode="hooks"`), with `torch.set_num_threads` = the CPU thread count JAX uses.
 
-Memory: JAX rows give `compiled.memory_analysis()` of the step (arguments + outputs + temporaries
-- aliased bytes: XLA's static peak estimate); torch rows give the growth of the process's peak RSS
-(`ru_maxrss`) over that method's warm-up, which is 0 when an earlier method already reached a
-higher peak (a lower bound, order dependent). `compiles` counts traces of the step inside the
-timed loops (0 means no recompilation after warm-up).
+Memory: JAX rows (the Trainer's included) give `compiled.memory_analysis()` of the step
+(arguments + outputs + temporaries - aliased bytes: XLA's static peak estimate); torch rows give
+the growth of the process's peak RSS (`ru_maxrss`) over that method's warm-up, which is 0 when an
+earlier method already reached a higher peak (a lower bound, order dependent). `compiles` counts
+traces of the step inside the timed loops (0 means no recompilation after warm-up).
 
 It also times the DP-MixMin mirror-descent solver against a non-private exponentiated-gradient
 step on the same batches, and the Hot PATE samplers (coordinated full scan, coordinated top-K,
 independent inverse CDF), with one generation step of each sampler timed in alternation with a
 read of the logits (their ratio is the step's cost in reads).
+
+The JSON also holds the run's provenance (command, commit, date, machine), its wall time, the
+load average before and after, and `noise_seeded` (every noise key is fixed: the data are
+synthetic, nothing here is private). `performance_table`, `lora_table` and `pate_table` render
+a stored result as the README's and docs/lora.md's markdown tables.
 
 Usage: `python -m experiments.bench_grads --preset cpu --json bench.json`.
 """
@@ -48,15 +59,25 @@ from flax import nnx
 
 from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import objectives, solvers
-from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig
+from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, lora
 from dpmix_jax.pate import samplers
-from dpmix_jax.privacy import noise
+from dpmix_jax.pipeline.compare import provenance
+from dpmix_jax.privacy import correlated_noise, noise
 from dpmix_jax.train import engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
-from experiments.configs.bench_grads import PRESETS, BenchConfig, ModelBench, get_config
+from experiments.configs.bench_grads import (
+    GPT2_ONLY_METHODS,
+    PRESETS,
+    BenchConfig,
+    ModelBench,
+    get_config,
+)
 
 LEARNING_RATE, NOISE_MULTIPLIER, CLIP_NORM = 0.01, 1.0, 1.0
+# The DP-SGD methods (independent noise) and their clipped-sum method; "dp_bandmf" clips as
+# "dp_ghost" does.
 DP_METHODS = {"dp_vmap": "vmap", "dp_microbatch": "vmap", "dp_ghost": "ghost"}
+TRAINER_METHODS = ("trainer_dp", "lora_nonprivate", "lora_dp")
 
 
 @dataclasses.dataclass
@@ -67,6 +88,7 @@ class Runner:
     step: Callable[[], None]
     peak_memory_bytes: int | None
     traces: Callable[[], int | None]
+    trainable_parameters: int | None = None
     times: list[list[float]] = dataclasses.field(default_factory=list)
 
 
@@ -120,36 +142,58 @@ def _memory(jitted, *args) -> int | None:
     return int(total - m.alias_size_in_bytes)
 
 
-def _trainer_runner(spec: ModelBench, data: dict) -> Runner:
-    """The Trainer's private step on the whole fixed batch (no padding, one jitted chunk)."""
+def _trainer_runner(method: str, config: BenchConfig, spec: ModelBench, data: dict) -> Runner:
+    """A `Trainer` step on the whole fixed batch (no padding, one jitted call): the private step
+    (trainer_dp, lora_dp; the index batch gathered on the host) or the public one
+    (lora_nonprivate; the batch moved to the device each step)."""
     model, batch_loss = _jax_model(spec)
+    mask = None
+    if method.startswith("lora"):
+        adapters = lora.LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha)
+        lora.add_lora(model, adapters, rngs=nnx.Rngs(1))
+        mask = lora.trainable_mask(model)
     batch_size = next(iter(data.values())).shape[0]
-    config = engine.TrainConfig(
-        steps=1000, batch_size=batch_size, learning_rate=LEARNING_RATE, optimizer="sgd",
+    private = method != "lora_nonprivate"
+    dp = dict(
         private=True, clip_norm=CLIP_NORM, delta=1e-5, noise_multiplier=NOISE_MULTIPLIER,
-        pad_multiple=batch_size, progress=False,
+        pad_multiple=batch_size,
+    ) if private else {}  # fmt: skip
+    train_config = engine.TrainConfig(
+        steps=1000, batch_size=batch_size, learning_rate=LEARNING_RATE, optimizer="sgd",
+        progress=False, **dp,
     )  # fmt: skip
     trainer = engine.Trainer(
-        config, model, batch_loss, num_units=10 * batch_size, noise_key=jax.random.key(1)
-    )
+        train_config, model, batch_loss, trainable_mask=mask,
+        num_units=10 * batch_size if private else None,
+        noise_key=jax.random.key(1) if private else None,
+    )  # fmt: skip
     state = {"state": trainer.init_state()}
-    indices, mask = np.arange(batch_size), np.ones(batch_size, bool)
+    indices, unit_mask = np.arange(batch_size), np.ones(batch_size, bool)
+    jitted = trainer._step_fn if private else trainer._public_fn
+    memory = None
+    if config.memory_analysis:
+        args = (trainer.frozen, trainer.rest, jax.tree.map(jnp.asarray, data))
+        memory = _memory(jitted, state["state"], *args, *([jnp.asarray(unit_mask)] * private))
 
     def gather(idx):
         return {k: v[idx] for k, v in data.items()}
 
     def run():
-        new = trainer.noisy_step(state["state"], gather, indices, mask)
+        if private:
+            new = trainer.noisy_step(state["state"], gather, indices, unit_mask)
+        else:
+            new, _ = trainer.public_step(state["state"], lambda rng: data, None)
         jax.block_until_ready(new.params)
         state["state"] = new
 
+    count = sum(x.size for x in jax.tree.leaves(state["state"].params))
     # Compiled programs of the jitted step (clipped sum, noise and update in one call).
-    return Runner("trainer_dp", run, None, lambda: trainer._step_fn._cache_size())
+    return Runner(method, run, memory, lambda: jitted._cache_size(), int(count))
 
 
-def _jax_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool) -> Runner:
-    if method == "trainer_dp":
-        return _trainer_runner(spec, data)
+def _jax_runner(method: str, config: BenchConfig, spec: ModelBench, data: dict) -> Runner:
+    if method in TRAINER_METHODS:
+        return _trainer_runner(method, config, spec, data)
     model, batch_loss = _jax_model(spec)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     batch = jax.tree.map(jnp.asarray, data)
@@ -170,13 +214,15 @@ def _jax_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool
             return optax.apply_updates(p, updates), state, None
     else:
         grad_sum = model_clipped_grad_sum(
-            model, batch_loss, clip_norm=CLIP_NORM, method=DP_METHODS[method],
+            model, batch_loss, clip_norm=CLIP_NORM, method=DP_METHODS.get(method, "ghost"),
             microbatch_size=spec.microbatch_size if method == "dp_microbatch" else None,
         )  # fmt: skip
+        bandmf = method == "dp_bandmf"
         optimizer = noise.private_optimizer(
             optax.sgd(LEARNING_RATE), noise_multiplier=NOISE_MULTIPLIER,
             sensitivity=grad_sum.sensitivity(), expected_batch_size=float(batch_size),
             key=jax.random.key(1),
+            strategy=correlated_noise.sqrt_prefix_sum(config.bands) if bandmf else None,
         )  # fmt: skip
         dp_step = noise.make_dp_sgd_step(grad_sum, optimizer)
 
@@ -186,14 +232,15 @@ def _jax_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool
 
     jitted = jax.jit(step)
     state = {"params": params, "opt": optimizer.init(params)}
-    memory = _memory(jitted, params, state["opt"], batch, mask) if memory_analysis else None
+    memory = _memory(jitted, params, state["opt"], batch, mask) if config.memory_analysis else None
 
     def run():
         p, s, _ = jitted(state["params"], state["opt"], batch, mask)
         jax.block_until_ready(p)
         state["params"], state["opt"] = p, s
 
-    return Runner(method, run, memory, lambda: traces[0])
+    count = sum(x.size for x in jax.tree.leaves(params))
+    return Runner(method, run, memory, lambda: traces[0], int(count))
 
 
 # ----------------------------------------------------------------------------- torch / Opacus
@@ -246,8 +293,8 @@ def _torch_modules():
     return TorchResNet
 
 
-def _torch_runner(method: str, spec: ModelBench, data: dict, memory_analysis: bool) -> Runner:
-    del memory_analysis  # torch rows always report the peak-RSS growth
+def _torch_runner(method: str, config: BenchConfig, spec: ModelBench, data: dict) -> Runner:
+    del config  # torch rows always report the peak-RSS growth
     import torch
 
     torch.manual_seed(0)
@@ -316,9 +363,11 @@ def time_methods(config: BenchConfig, spec: ModelBench, batch_size: int) -> list
     data = _data(spec, batch_size, vocab)
     runners = []
     for method in config.methods:
+        if method in GPT2_ONLY_METHODS and not spec.model.startswith("gpt2"):
+            continue
         rss = _peak_rss()
         build = _torch_runner if method.startswith("opacus") else _jax_runner
-        runner = build(method, spec, data, config.memory_analysis)
+        runner = build(method, config, spec, data)
         for _ in range(config.warmup_steps):
             runner.step()
         if runner.peak_memory_bytes is None and method.startswith("opacus"):
@@ -346,6 +395,7 @@ def time_methods(config: BenchConfig, spec: ModelBench, batch_size: int) -> list
             "median_step_seconds": statistics.median(all_times),
             "round_median_range_seconds": [min(medians), max(medians)],
             "peak_memory_bytes": runner.peak_memory_bytes,
+            "trainable_parameters": runner.trainable_parameters,
             "compiles": None if traces is None else traces - warm_traces[runner.method],
             "compiles_warmup": warm_traces[runner.method],
         })  # fmt: skip
@@ -482,18 +532,22 @@ def bench_pate(config: BenchConfig) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    """One line per row; "/np" = step time over the non-private step's, "x opacus" = throughput
-    over Opacus' (DP rows against opacus_dp, the non-private row against opacus_nonprivate)."""
+    """One line per row; "/np" = step time over the non-private step's (LoRA rows: over
+    lora_nonprivate's), "x opacus" = throughput over Opacus' (DP rows against opacus_dp, the
+    non-private row against opacus_nonprivate; none for LoRA rows)."""
     by_key = {(r["model"], r["batch_size"], r["method"]): r for r in rows}
     lines = [
         f"{'model':<12} {'B':>5} {'method':<18} {'ex/s':>9} {'round range ms':>17} "
         f"{'/np':>6} {'x opacus':>8} {'mem MiB':>8} {'compiles':>8}"
     ]
     for r in rows:
-        np_row = by_key.get((r["model"], r["batch_size"], "nonprivate"))
+        adapters = r["method"].startswith("lora")
+        np_row = by_key.get(
+            (r["model"], r["batch_size"], "lora_nonprivate" if adapters else "nonprivate")
+        )
         private = r["method"].startswith("dp") or r["method"] == "trainer_dp"
         op_key = "opacus_dp" if private else "opacus_nonprivate"
-        op_row = by_key.get((r["model"], r["batch_size"], op_key))
+        op_row = None if adapters else by_key.get((r["model"], r["batch_size"], op_key))
         eps = r["examples_per_second"]
         vs_np = np_row["examples_per_second"] / eps if np_row else float("nan")
         vs_op = eps / op_row["examples_per_second"] if op_row and r["method"] != op_key else None
@@ -508,35 +562,189 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(numerator: dict | None, denominator: dict | None, field: str) -> float | None:
+    """`numerator[field] / denominator[field]`, None when a row or a value is missing."""
+    if numerator is None or denominator is None:
+        return None
+    if numerator[field] is None or denominator[field] is None:
+        return None
+    return numerator[field] / denominator[field]
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (model, batch size): our fastest DP method, its step time over the non-private
-    step's, its throughput over Opacus' DP throughput, and the Trainer's step time over the
-    fastest DP method's and over the non-private step's."""
+    """Per (model, batch size): our fastest DP-SGD method (`DP_METHODS`), its step time over the
+    non-private step's, its throughput over Opacus' DP throughput, and the Trainer's step time
+    over the fastest DP method's and over the non-private step's; BandMF's step time over the
+    non-private and the DP ghost step's (same clipping, independent noise) and its memory over
+    the DP ghost step's; LoRA DP's step time over LoRA non-private's and its memory over the
+    full DP Trainer step's (trainer_dp), LoRA non-private's memory over the non-private step's.
+    Time ratios are throughput ratios (the inverse), from each row's own median step."""
     by_key = {(r["model"], r["batch_size"], r["method"]): r for r in rows}
+    speed, memory = "examples_per_second", "peak_memory_bytes"
     out = []
     for model, batch_size in dict.fromkeys((r["model"], r["batch_size"]) for r in rows):
         dp = [r for r in rows if (r["model"], r["batch_size"]) == (model, batch_size)
-              and r["method"].startswith("dp")]  # fmt: skip
+              and r["method"] in DP_METHODS]  # fmt: skip
         if not dp:
             continue
-        fastest = max(dp, key=lambda r: r["examples_per_second"])
-        nonprivate = by_key.get((model, batch_size, "nonprivate"))
-        opacus = by_key.get((model, batch_size, "opacus_dp"))
-        trainer = by_key.get((model, batch_size, "trainer_dp"))
+
+        def row(method, model=model, batch_size=batch_size):
+            return by_key.get((model, batch_size, method))
+
+        fastest = max(dp, key=lambda r: r[speed])
+        nonprivate, trainer, bandmf = row("nonprivate"), row("trainer_dp"), row("dp_bandmf")
+        lora_dp = row("lora_dp")
         out.append({
             "model": model,
             "batch_size": batch_size,
             "fastest_dp": fastest["method"],
-            "dp_over_nonprivate_time": nonprivate["examples_per_second"]
-            / fastest["examples_per_second"] if nonprivate else None,
-            "ours_over_opacus_throughput": fastest["examples_per_second"]
-            / opacus["examples_per_second"] if opacus else None,
-            "trainer_over_fastest_dp_time": fastest["examples_per_second"]
-            / trainer["examples_per_second"] if trainer else None,
-            "trainer_over_nonprivate_time": nonprivate["examples_per_second"]
-            / trainer["examples_per_second"] if trainer and nonprivate else None,
+            "dp_over_nonprivate_time": _ratio(nonprivate, fastest, speed),
+            "ours_over_opacus_throughput": _ratio(fastest, row("opacus_dp"), speed),
+            "trainer_over_fastest_dp_time": _ratio(fastest, trainer, speed),
+            "trainer_over_nonprivate_time": _ratio(nonprivate, trainer, speed),
+            "bandmf_over_nonprivate_time": _ratio(nonprivate, bandmf, speed),
+            "bandmf_over_ghost_time": _ratio(row("dp_ghost"), bandmf, speed),
+            "bandmf_over_ghost_memory": _ratio(bandmf, row("dp_ghost"), memory),
+            "lora_dp_over_lora_nonprivate_time": _ratio(row("lora_nonprivate"), lora_dp, speed),
+            "lora_dp_over_trainer_dp_memory": _ratio(lora_dp, trainer, memory),
+            "lora_nonprivate_over_nonprivate_memory": _ratio(
+                row("lora_nonprivate"), nonprivate, memory
+            ),
         })  # fmt: skip
     return out
+
+
+# ----------------------------------------------------------------------------- markdown tables
+
+_MODEL_LABELS = {
+    "resnet_tiny": "ResNet tiny (GroupNorm, 32x32)",
+    "gpt2_tiny": "GPT-2 tiny",
+    "resnet18": "ResNet-18 (GroupNorm, 32x32)",
+    "gpt2_small": "GPT-2 small",
+}
+_PATE_LABELS = {
+    "lm_like": "LM-like (shared Zipf ranking, perturbed)",
+    "peaked_diverse": "peaked, disjoint rankings",
+    "random": "random N(0, 2²)",
+}
+
+
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _markdown(header: list[str], lines: list[list[str]]) -> str:
+    rows = ["| " + " | ".join(cells) + " |" for cells in (header, *lines)]
+    return "\n".join([rows[0], "|" + "---|" * len(header), *rows[1:]])
+
+
+def performance_table(report: dict) -> str:
+    """The step-throughput table of a stored result: examples per second of each method and the
+    summary's ratios (README's Performance section)."""
+    by_key = {(r["model"], r["batch_size"], r["method"]): r for r in report["results"]}
+    methods = {
+        "non-private": "nonprivate", "DP vmap": "dp_vmap", "DP microbatch": "dp_microbatch",
+        "DP ghost": "dp_ghost", f"DP BandMF (b = {report['bands']})": "dp_bandmf",
+        "trainer_dp": "trainer_dp", "Opacus non-private": "opacus_nonprivate",
+        "Opacus DP": "opacus_dp",
+    }  # fmt: skip
+    ratios = {
+        "fastest DP /np": "dp_over_nonprivate_time", "BandMF /np": "bandmf_over_nonprivate_time",
+        "BandMF / ghost": "bandmf_over_ghost_time", "Trainer /np": "trainer_over_nonprivate_time",
+        "Trainer / fastest": "trainer_over_fastest_dp_time",
+        "ours/Opacus": "ours_over_opacus_throughput",
+    }  # fmt: skip
+    lines = []
+    for s in report["summary"]:
+        key = (s["model"], s["batch_size"])
+        speeds = [by_key.get((*key, m)) for m in methods.values()]
+        cells = [_cell(r and r["examples_per_second"], ".0f") for r in speeds]
+        cells += [_cell(s[name], ".2f") for name in ratios.values()]
+        cells[len(methods)] += f" ({s['fastest_dp'].removeprefix('dp_')})"
+        lines.append([_MODEL_LABELS[s["model"]], str(s["batch_size"]), *cells])
+    return _markdown(["model", "B", *methods, *ratios], lines)
+
+
+def memory_table(report: dict) -> str:
+    """XLA's static peak memory estimate (MiB) of each JAX step of a stored result."""
+    by_key = {(r["model"], r["batch_size"], r["method"]): r for r in report["results"]}
+    methods = ("nonprivate", "dp_vmap", "dp_ghost", "dp_bandmf", "trainer_dp", "lora_nonprivate",
+               "lora_dp")  # fmt: skip
+    lines = []
+    for s in report["summary"]:
+        rows = [by_key.get((s["model"], s["batch_size"], m)) for m in methods]
+        cells = [_cell(r and r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2**20, ".1f")
+                 for r in rows]  # fmt: skip
+        cells.append(_cell(s["bandmf_over_ghost_memory"], ".2f"))
+        lines.append([_MODEL_LABELS[s["model"]], str(s["batch_size"]), *cells])
+    return _markdown(["model", "B", *methods, "BandMF / ghost"], lines)
+
+
+def lora_table(report: dict) -> str:
+    """The LoRA rows of a stored result against full fine-tuning (docs/lora.md): trainable
+    parameters, examples per second and memory of the full and LoRA steps, and the ratios."""
+    by_key = {(r["model"], r["batch_size"], r["method"]): r for r in report["results"]}
+    header = ["model", "B", "method", "trainable params", "ex/s", "memory MiB"]
+    lines = []
+    for s in report["summary"]:
+        if s["lora_dp_over_lora_nonprivate_time"] is None:
+            continue
+        for method in ("nonprivate", "trainer_dp", "lora_nonprivate", "lora_dp"):
+            r = by_key[s["model"], s["batch_size"], method]
+            memory = r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2**20
+            lines.append([
+                _MODEL_LABELS[s["model"]], str(s["batch_size"]), method,
+                f"{r['trainable_parameters']:,}", _cell(r["examples_per_second"], ".1f"),
+                _cell(memory, ".1f"),
+            ])  # fmt: skip
+    ratios = ("lora_dp_over_lora_nonprivate_time", "lora_dp_over_trainer_dp_memory",
+              "lora_nonprivate_over_nonprivate_memory")  # fmt: skip
+    summary_lines = [
+        [_MODEL_LABELS[s["model"]], str(s["batch_size"]), *(_cell(s[n], ".2f") for n in ratios)]
+        for s in report["summary"]
+        if s["lora_dp_over_lora_nonprivate_time"] is not None
+    ]
+    return _markdown(header, lines) + "\n\n" + _markdown(["model", "B", *ratios], summary_lines)
+
+
+def mixmin_table(report: dict) -> str:
+    """Milliseconds per DP-MixMin step against a non-private exponentiated-gradient step."""
+    steps = {(r["sources"], r["method"]): r for r in report["mixmin"]}
+    lines = [
+        [str(k), str(steps[k, "dp"]["batch_size"]),
+         *(_cell(1e3 * steps[k, m]["step_seconds"], ".3f") for m in ("dp", "nonprivate"))]
+        for k in dict.fromkeys(r["sources"] for r in report["mixmin"])
+    ]  # fmt: skip
+    return _markdown(["sources k", "batch", "DP step ms", "non-private step ms"], lines)
+
+
+def pate_table(report: dict) -> str:
+    """Hot PATE histograms per second and costs (against the independent sampler; a generation
+    step against one read of the logits)."""
+    rows = {(r["logits"], r["method"]): r for r in report["pate"]}
+    lines = []
+    for regime in dict.fromkeys(r["logits"] for r in report["pate"]):
+
+        def rate(method, regime=regime):
+            row = rows.get((regime, method))
+            return row and row["histograms_per_second"]
+
+        def cost(base, method):
+            return None if rate(method) is None else rate(base) / rate(method)
+
+        lines.append([
+            _PATE_LABELS[regime],
+            *(_cell(rate(m), ",.0f") for m in ("independent", "coordinated_top_k",
+                                                "coordinated_full")),
+            _cell(cost("independent", "coordinated_top_k"), ".2f", "x"),
+            _cell(cost("independent", "coordinated_full"), ".1f", "x"),
+            _cell(cost("read_logits", "independent_step"), ".1f", "x"),
+            _cell(cost("read_logits", "coordinated_top_k_step"), ".1f", "x"),
+        ])  # fmt: skip
+    header = ["teachers", "independent", "coordinated top-K", "full scan",
+              "top-K / independent cost", "full scan / independent cost",
+              "independent step / read", "coordinated step / read"]  # fmt: skip
+    return _markdown(header, lines)
 
 
 def run(config: BenchConfig) -> dict:
@@ -544,6 +752,8 @@ def run(config: BenchConfig) -> dict:
     import torch
 
     torch.set_num_threads(jax_threads())
+    # Read before anything runs: the commit is that of the code the run starts from.
+    origin, start, load_before = provenance(), time.time(), os.getloadavg()
     results = []
     for spec in config.models:
         for batch_size in spec.batch_sizes:
@@ -551,6 +761,14 @@ def run(config: BenchConfig) -> dict:
     mixmin = bench_mixmin(config) if config.mixmin_sources else []
     pate = bench_pate(config) if config.pate_teachers else []
     return {
+        "provenance": origin,
+        "wall_seconds": time.time() - start,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "noise_seeded": True,
+        "bands": config.bands,
+        "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
         "results": results,
         "summary": summary(results),
         "mixmin": mixmin,
@@ -585,7 +803,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="also write the results as JSON to PATH (default: no file)",
     )
     args = parser.parse_args(argv)
-    report = run(get_config(args.preset))
+    report = {"preset": args.preset, **run(get_config(args.preset))}
     print(_table(report["results"]))
     print(
         "\nFastest DP path: step time / non-private, throughput / Opacus DP; Trainer step time "
@@ -599,6 +817,21 @@ def main(argv: list[str] | None = None) -> dict:
         ]  # fmt: skip
         print(f"  {row['model']:<12} B={row['batch_size']:<5} {row['fastest_dp']:<14} "
               + " ".join(f"{r:>6}" for r in ratios))  # fmt: skip
+    print(
+        "\nBandMF: step time / non-private, / DP ghost; memory / DP ghost. LoRA DP: step time "
+        "/ LoRA non-private; memory / trainer_dp; LoRA non-private memory / non-private"
+    )
+    for row in report["summary"]:
+        ratios = [
+            "-" if row[name] is None else f"{row[name]:.2f}"
+            for name in ("bandmf_over_nonprivate_time", "bandmf_over_ghost_time",
+                         "bandmf_over_ghost_memory", "lora_dp_over_lora_nonprivate_time",
+                         "lora_dp_over_trainer_dp_memory",
+                         "lora_nonprivate_over_nonprivate_memory")
+        ]  # fmt: skip
+        print(
+            f"  {row['model']:<12} B={row['batch_size']:<5} " + " ".join(f"{r:>6}" for r in ratios)
+        )
     if report["mixmin"]:
         print("\nDP-MixMin (nll): seconds per step")
     for row in report["mixmin"]:
@@ -617,6 +850,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+            f.write("\n")
     return report
 
 

@@ -1,10 +1,12 @@
 """Presets of the per-example-gradient throughput benchmark (`experiments.bench_grads`).
 
 - "micro": the tiny GPT-2 at batch 4, one round, toy MixMin and PATE sizes (used by the tests).
-- "cpu": the tiny ResNet and GPT-2 presets at two batch sizes, plus DP-MixMin (k = 16, 1000) and
-  Hot PATE (n = 512, V = 50,257, r = 1000, top-K path); a few minutes on 2 cores.
+- "cpu": the tiny ResNet and GPT-2 presets at two batch sizes (LoRA rows on GPT-2), plus
+  DP-MixMin (k = 16, 1000) and Hot PATE (n = 512, V = 50,257, r = 1000, top-K path); a few
+  minutes on 2 cores.
 - "cpu_small": ResNet-18 (batch 16) and GPT-2 small (sequence length 256, batch 4) on CPU, the
-  non-private, vmap, ghost and Opacus steps only, no MixMin or PATE parts; about 4 minutes.
+  non-private, vmap, ghost, Trainer, LoRA and Opacus steps only, no MixMin or PATE parts; about
+  4 minutes before the LoRA rows.
 - "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
 """
 
@@ -15,9 +17,11 @@ import dataclasses
 MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
 PRESETS = ("micro", "cpu", "cpu_small", "gpu")
 METHODS = (
-    "nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "trainer_dp", "opacus_nonprivate",
-    "opacus_dp",
+    "nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "dp_bandmf", "trainer_dp",
+    "lora_nonprivate", "lora_dp", "opacus_nonprivate", "opacus_dp",
 )  # fmt: skip
+# Methods timed on GPT-2 models only (the adapters of `dpmix_jax.models.lora` target GPT-2).
+GPT2_ONLY_METHODS = ("lora_nonprivate", "lora_dp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,7 +62,10 @@ class BenchConfig:
 
     Attributes:
         models: the model benchmarks.
-        methods: subset of `METHODS`.
+        methods: subset of `METHODS` ("lora_*" methods run on GPT-2 models only).
+        bands: b of the "dp_bandmf" method's BandMF noise (b - 1 noise vectors in its state).
+        lora_rank: r of the "lora_*" methods' adapters (on every attention and MLP projection).
+        lora_alpha: α of those adapters (their output is scaled by α / r).
         warmup_steps: untimed steps per method before timing (compilation happens here).
         rounds: interleaved rounds (all methods once per round); the spread is over rounds.
         steps_per_round: individually timed steps per method and round.
@@ -77,6 +84,9 @@ class BenchConfig:
 
     models: tuple[ModelBench, ...]
     methods: tuple[str, ...] = METHODS
+    bands: int = 4
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
     warmup_steps: int = 2
     rounds: int = 3
     steps_per_round: int = 5
@@ -93,6 +103,12 @@ class BenchConfig:
     def __post_init__(self):
         if unknown := set(self.methods) - set(METHODS):
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}.")
+        for name in ("bands", "lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha!r}.")
         for name in ("warmup_steps", "rounds", "steps_per_round", "mixmin_batch_size",
                      "mixmin_steps", "pate_histograms", "pate_full_histograms"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -111,6 +127,7 @@ def get_config(preset: str = "cpu") -> BenchConfig:
             warmup_steps=1, rounds=1, steps_per_round=1, mixmin_sources=(4,),
             mixmin_batch_size=16, mixmin_steps=2, pate_teachers=4, pate_vocab=32,
             pate_histograms=4, pate_top_k=4, pate_full_histograms=4, memory_analysis=False,
+            lora_rank=2, lora_alpha=4.0,
         )  # fmt: skip
     if preset == "cpu":
         return BenchConfig(
@@ -126,7 +143,8 @@ def get_config(preset: str = "cpu") -> BenchConfig:
                 ModelBench(model="gpt2_small", batch_sizes=(4,), microbatch_size=2, seq_len=256),
             ),
             methods=(
-                "nonprivate", "dp_vmap", "dp_ghost", "trainer_dp", "opacus_nonprivate", "opacus_dp"
+                "nonprivate", "dp_vmap", "dp_ghost", "trainer_dp", "lora_nonprivate", "lora_dp",
+                "opacus_nonprivate", "opacus_dp",
             ),
             warmup_steps=1, rounds=2, steps_per_round=2, mixmin_sources=(), pate_teachers=0,
             memory_analysis=False,
