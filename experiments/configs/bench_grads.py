@@ -147,7 +147,6 @@ def get_config(preset: str = "cpu") -> BenchConfig:
                 "opacus_nonprivate", "opacus_dp",
             ),
             warmup_steps=1, rounds=2, steps_per_round=2, mixmin_sources=(), pate_teachers=0,
-            memory_analysis=False,
         )  # fmt: skip
     if preset == "gpu":
         return BenchConfig(
