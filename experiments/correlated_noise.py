@@ -47,9 +47,10 @@ from experiments.k_scaling import mixture_problem
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CorrelatedNoiseConfig:
     """Settings of the study (see the module docstring); `bands` lists BandMF's b values (the
-    independent-noise baseline is always run) of the fine-tuning, text and DP-MixMin parts,
-    `long_bands` those of the long fine-tuning (`long_batch_size`, `long_steps`,
-    `long_optimizer`, `long_learning_rate`: None keeps the preset's)."""
+    independent-noise baseline is always run) of the fine-tuning, text and DP-MixMin parts at
+    each of `epsilons`; `long_bands` and `long_epsilons` those of the long fine-tuning
+    (`long_batch_size`, `long_steps`), run once per (optimizer, learning rate) of
+    `long_optimizers` (learning rate None: the preset's)."""
 
     bands: tuple[int, ...] = (2, 8)
     epsilons: tuple[float, ...] = (1.0, 4.0)
@@ -58,8 +59,11 @@ class CorrelatedNoiseConfig:
     long_bands: tuple[int, ...] = (4, 16)
     long_batch_size: int = 16
     long_steps: int = 750
-    long_optimizer: Optimizer = "adam"
-    long_learning_rate: float | None = None
+    long_epsilons: tuple[float, ...] = (1.0, 4.0, 16.0)
+    long_optimizers: tuple[tuple[Optimizer, float | None], ...] = (
+        ("adam", None),
+        ("momentum", 0.05),
+    )
     text_steps: int = 60
     mixmin_examples: int = 20_000
     mixmin_sources: int = 8
@@ -74,7 +78,7 @@ class CorrelatedNoiseConfig:
     def __post_init__(self) -> None:
         for b in self.bands + self.long_bands:
             correlated_noise.check_bands(b)
-        for epsilon in self.epsilons:
+        for epsilon in self.epsilons + self.long_epsilons:
             accounting.check_epsilon(epsilon)
         accounting.check_delta(self.delta)
         accounting.check_steps(self.finetune_steps, "finetune_steps")
@@ -86,6 +90,8 @@ class CorrelatedNoiseConfig:
             )
         accounting.check_steps(self.mixmin_steps, "mixmin_steps")
         accounting.check_steps(self.bench_repeats, "bench_repeats")
+        if not self.long_optimizers:
+            raise ValueError("long_optimizers must name at least one (optimizer, learning rate).")
         if not self.seeds:
             raise ValueError("seeds must name at least one seed.")
 
@@ -111,6 +117,7 @@ def finetune_rows(
     reproducible: bool,
     *,
     bands: tuple[int, ...],
+    epsilons: tuple[float, ...],
     steps: int,
     **finetune_overrides,
 ) -> list:
@@ -131,11 +138,13 @@ def finetune_rows(
         )
         examples = len(pipeline.task.train)
         partition = examples / (settings["bands"] or 1)
-        for epsilon in config.epsilons:
+        for epsilon in epsilons:
             runs = [pipeline.run("random_init", epsilon, seed) for seed in config.seeds]
             rows.append(
                 {
                     "mechanism": label,
+                    "optimizer": finetune.optimizer,
+                    "learning_rate": finetune.learning_rate,
                     "epsilon": epsilon,
                     "test_auc": _mean_std([r.utility for r in runs]),
                     "max_spent_epsilon": max(r.spent.epsilon for r in runs),
@@ -280,12 +289,18 @@ def noise_step_rows(config: CorrelatedNoiseConfig) -> list:
 
 
 def _auc_table(rows: list, title: str) -> list[str]:
-    lines = [title, "", "| mechanism | ε | q | test AUC | spent ε (max) |", "|---|---|---|---|---|"]
+    lines = [
+        title,
+        "",
+        "| optimizer | η | mechanism | ε | q | test AUC | spent ε (max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         auc = r["test_auc"]
         lines.append(
-            f"| {r['mechanism']} | {r['epsilon']:g} | {r['sampling_rate']:.3f} | "
-            f"{auc[0]:.4f} ± {auc[1]:.4f} | {r['max_spent_epsilon']:.3f} |"
+            f"| {r['optimizer']} | {r['learning_rate']:g} | {r['mechanism']} | {r['epsilon']:g} | "
+            f"{r['sampling_rate']:.3f} | {auc[0]:.4f} ± {auc[1]:.4f} | "
+            f"{r['max_spent_epsilon']:.3f} |"
         )
     return lines
 
@@ -294,9 +309,6 @@ def markdown(results: dict) -> str:
     """The tables of `results` (numbers as stored in the JSON, rounded for display)."""
     config = results["config"]
     seeds = len(config["seeds"])
-    long_optimizer = config["long_optimizer"]
-    if config["long_learning_rate"] is not None:
-        long_optimizer += f", η = {config['long_learning_rate']:g}"
     lines = _auc_table(
         results["finetune"],
         f"Private fine-tuning of the image demo (digits, random initialisation, "
@@ -307,7 +319,7 @@ def markdown(results: dict) -> str:
         results["long_finetune"],
         f"Long private fine-tuning of the image demo (digits, random initialisation, expected "
         f"batch {config['long_batch_size']}, {config['long_steps']} steps, "
-        f"{results['long_finetune'][0]['epochs']:.1f} epochs, {long_optimizer}), test macro AUC, "
+        f"{results['long_finetune'][0]['epochs']:.1f} epochs), test macro AUC, "
         f"mean ± std over {seeds} seeds:",
     )
     text = results["text"]
@@ -377,18 +389,28 @@ def main(config: CorrelatedNoiseConfig, out: pathlib.Path, *, reproducible: bool
         "provenance": provenance(),
         "noise_seeded": reproducible,
         "finetune": finetune_rows(
-            config, out / "stages", reproducible, bands=config.bands, steps=config.finetune_steps
-        ),
-        "long_finetune": finetune_rows(
             config,
-            out / "stages" / "long",
+            out / "stages",
             reproducible,
-            bands=config.long_bands,
-            steps=config.long_steps,
-            batch_size=config.long_batch_size,
-            optimizer=config.long_optimizer,
-            **_learning_rate(config.long_learning_rate),
+            bands=config.bands,
+            epsilons=config.epsilons,
+            steps=config.finetune_steps,
         ),
+        "long_finetune": [
+            row
+            for optimizer, learning_rate in config.long_optimizers
+            for row in finetune_rows(
+                config,
+                out / "stages" / f"long_{optimizer}_{learning_rate}",
+                reproducible,
+                bands=config.long_bands,
+                epsilons=config.long_epsilons,
+                steps=config.long_steps,
+                batch_size=config.long_batch_size,
+                optimizer=optimizer,
+                **_learning_rate(learning_rate),
+            )
+        ],
         "text": text_rows(config, out / "stages" / "text", reproducible),
         "mixmin": mixmin_rows(config, reproducible),
         "noise_step": noise_step_rows(config),

@@ -638,7 +638,8 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
 
     config = study.CorrelatedNoiseConfig(
         bands=(2,), epsilons=(2.0,), seeds=(0,), finetune_steps=4, long_bands=(4,),
-        long_batch_size=8, long_steps=8, long_optimizer="momentum", long_learning_rate=0.05,
+        long_epsilons=(2.0,), long_batch_size=8, long_steps=8,
+        long_optimizers=(("adam", None), ("momentum", 0.05)),
         text_steps=3, mixmin_examples=500, mixmin_steps=6, mixmin_batch_size=50,
         bench_size=1000, bench_repeats=2,
     )  # fmt: skip
@@ -646,7 +647,11 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["noise_seeded"] is True and stored["provenance"]["command"]
     assert [r["mechanism"] for r in stored["mixmin"]] == ["DP-SGD", "BandMF b=2"]
-    assert [r["mechanism"] for r in stored["long_finetune"]] == ["DP-SGD", "BandMF b=4"]
+    long = stored["long_finetune"]
+    assert [(r["optimizer"], r["learning_rate"], r["mechanism"]) for r in long] == [
+        ("adam", 1e-3, "DP-SGD"), ("adam", 1e-3, "BandMF b=4"),
+        ("momentum", 0.05, "DP-SGD"), ("momentum", 0.05, "BandMF b=4"),
+    ]  # fmt: skip
     assert [r["mechanism"] for r in stored["text"]] == ["DP-SGD", "BandMF b=2", "pretrained only"]
     private_text = stored["text"][:-1]
     for row in stored["finetune"] + stored["long_finetune"] + private_text + stored["mixmin"]:
@@ -654,7 +659,7 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
         assert row["max_spent_epsilon"] > 1.5  # calibrated to the target, not far below it
     # b bands sample one partition of n / b units: b times DP-SGD's rate, batch / n.
     train = len(study.presets.digit_task().train)
-    independent, banded = stored["long_finetune"]
+    independent, banded = long[2:]
     assert independent["sampling_rate"] == pytest.approx(8 / train)
     assert banded["sampling_rate"] == pytest.approx(4 * 8 / train)
     assert independent["epochs"] == pytest.approx(8 * 8 / train)
@@ -669,7 +674,7 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
     assert [r["state_copies"] for r in results["noise_step"]] == [0, 1]
     assert stored["mixmin"][0]["noise_multiplier"] != stored["mixmin"][1]["noise_multiplier"]
     assert (tmp_path / "results.md").read_text().strip() == study.markdown(stored)
-    assert "momentum, η = 0.05" in study.markdown(stored)
+    assert f"| momentum | 0.05 | BandMF b=4 | 2 | {32 / train:.3f} |" in study.markdown(stored)
 
 
 def test_docs_page_shows_the_stored_results_exactly():
