@@ -671,6 +671,8 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
     perplexities = [row["test_perplexity"][0] for row in private_text]
     assert all(1.0 < p < 1000.0 and p != pretrained for p in perplexities)
     assert perplexities[0] != perplexities[1]
+    assert private_text[0]["minus_dp_sgd"] == [0.0, 0.0]
+    assert private_text[1]["minus_dp_sgd"][0] == pytest.approx(perplexities[1] - perplexities[0])
     assert [r["state_copies"] for r in results["noise_step"]] == [0, 1]
     assert stored["mixmin"][0]["noise_multiplier"] != stored["mixmin"][1]["noise_multiplier"]
     assert (tmp_path / "results.md").read_text().strip() == study.markdown(stored)
