@@ -41,7 +41,7 @@ EXPERIMENTS = {
     "rho_guide": "sufficient mixture size from the error bound vs measured excess loss over n",
     "gsd": "gradient subspace distance source selection vs DP-MixMin on shared inputs",
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
-    "correlated_noise": "BandMF correlated noise vs DP-SGD at equal ε: fine-tuning and DP-MixMin",
+    "correlated_noise": "BandMF vs DP-SGD at equal ε: image and text fine-tuning, DP-MixMin",
     "adaptive_clipping": "adaptive vs fixed clip norms (C, 10C, C/10) in DP fine-tuning",
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",

@@ -1,12 +1,18 @@
 """BandMF correlated noise against DP-SGD's independent noise, at equal ε.
 
-Three measurements, each for independent noise and BandMF with several band counts b (cyclic
+Five measurements, each for independent noise and BandMF with several band counts b (cyclic
 Poisson sampling over b partitions, accounted as DP-SGD with ceil(T / b) steps at the
 partition's rate, σ calibrated to the same target ε):
 
 - fine-tuning: the image demo's private fine-tuning on the digits default (`presets.digit_task`,
   `image_demo_config`) from a random initialisation ("random_init", all of the train split) for
   several epochs; test macro AUC, mean ± std over seeds;
+- long fine-tuning: the same with a small expected batch and many epochs, so that the
+  partition's rate stays small with b bands (the regime BandMF is meant for);
+- text fine-tuning: the text demo's user-level private fine-tuning (`text_presets.text_task`,
+  `text_demo_config`) of the model pretrained on the uniform mixture of the public domains (the
+  pretrained model is stored once per seed and shared by every mechanism), on all train users;
+  test perplexity (lower is better), mean ± std over seeds;
 - DP-MixMin: mirror descent on the synthetic exact-mixture problem of `experiments.k_scaling`;
   excess MixMin loss over non-private MixMin and cosine of λ to it, mean ± std over seeds;
 - the noise step: time of one jitted noise transformation update on a parameter vector.
@@ -28,22 +34,39 @@ import numpy as np
 
 from dpmix_jax import mixing
 from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
-from dpmix_jax.pipeline import presets
+from dpmix_jax.pipeline import common, presets, text_presets
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.pipeline.image import ImagePipeline
+from dpmix_jax.pipeline.text import TextPipeline
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, correlated_noise, noise, randomness
+from dpmix_jax.train import fit
+from dpmix_jax.train.engine import Optimizer
 from experiments.k_scaling import mixture_problem
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CorrelatedNoiseConfig:
     """Settings of the study (see the module docstring); `bands` lists BandMF's b values (the
-    independent-noise baseline is always run)."""
+    independent-noise baseline is always run) of the fine-tuning, text and DP-MixMin parts at
+    each of `epsilons`; `long_bands` and `long_epsilons` those of the long fine-tuning
+    (`long_batch_size`, `long_steps`), run once per (optimizer, learning rate) of
+    `long_optimizers` (learning rate None: the preset's)."""
 
     bands: tuple[int, ...] = (2, 8)
     epsilons: tuple[float, ...] = (1.0, 4.0)
     seeds: tuple[int, ...] = (0, 1, 2)
     finetune_steps: int = 150
+    long_bands: tuple[int, ...] = (4, 16)
+    long_batch_size: int = 16
+    long_steps: int = 750
+    long_epsilons: tuple[float, ...] = (1.0, 4.0, 16.0)
+    # Momentum's η: DP-SGD's best of {0.02, 0.05, 0.1, 0.2} by validation AUC at ε = 4 in one run
+    # of seed 100 (not a reported seed); BandMF was not tuned separately.
+    long_optimizers: tuple[tuple[Optimizer, float | None], ...] = (
+        ("adam", None),
+        ("momentum", 0.05),
+    )
+    text_steps: int = 60
     mixmin_examples: int = 20_000
     mixmin_sources: int = 8
     mixmin_steps: int = 300
@@ -55,53 +78,141 @@ class CorrelatedNoiseConfig:
     bench_repeats: int = 20
 
     def __post_init__(self) -> None:
-        for b in self.bands:
+        for b in self.bands + self.long_bands:
             correlated_noise.check_bands(b)
-        for epsilon in self.epsilons:
+        for epsilon in self.epsilons + self.long_epsilons:
             accounting.check_epsilon(epsilon)
         accounting.check_delta(self.delta)
         accounting.check_steps(self.finetune_steps, "finetune_steps")
+        accounting.check_steps(self.long_steps, "long_steps")
+        accounting.check_steps(self.text_steps, "text_steps")
+        if not isinstance(self.long_batch_size, int) or self.long_batch_size < 1:
+            raise ValueError(
+                f"long_batch_size must be an integer >= 1, got {self.long_batch_size!r}"
+            )
         accounting.check_steps(self.mixmin_steps, "mixmin_steps")
         accounting.check_steps(self.bench_repeats, "bench_repeats")
+        if not self.long_optimizers:
+            raise ValueError("long_optimizers must name at least one (optimizer, learning rate).")
         if not self.seeds:
             raise ValueError("seeds must name at least one seed.")
 
 
-def _settings(config: CorrelatedNoiseConfig) -> list[tuple[str, dict]]:
-    """(label, noise settings) of every compared mechanism."""
+def _settings(bands: tuple[int, ...]) -> list[tuple[str, dict]]:
+    """(label, noise settings) of every compared mechanism: DP-SGD, then BandMF per b."""
     settings = [("DP-SGD", {"noise": "independent", "bands": None})]
-    return settings + [(f"BandMF b={b}", {"noise": "bandmf", "bands": b}) for b in config.bands]
+    return settings + [(f"BandMF b={b}", {"noise": "bandmf", "bands": b}) for b in bands]
+
+
+def _learning_rate(learning_rate: float | None) -> dict:
+    """The fine-tuning override of the learning rate (none for None: the preset's)."""
+    return {} if learning_rate is None else {"learning_rate": learning_rate}
 
 
 def _mean_std(values: list[float]) -> list[float]:
     return [statistics.fmean(values), statistics.pstdev(values)]
 
 
-def finetune_rows(config: CorrelatedNoiseConfig, root: pathlib.Path, reproducible: bool) -> list:
-    """Test AUC of private fine-tuning from a random initialisation, per mechanism and ε."""
+def finetune_rows(
+    config: CorrelatedNoiseConfig,
+    root: pathlib.Path,
+    reproducible: bool,
+    *,
+    bands: tuple[int, ...],
+    epsilons: tuple[float, ...],
+    steps: int,
+    **finetune_overrides,
+) -> list:
+    """Test AUC of private fine-tuning from a random initialisation, per mechanism and ε, with
+    the demo's fine-tuning settings replaced by `steps` and `finetune_overrides`.
+
+    Privacy: every run is the pipeline's accounted fine-tuning at the target ε; the partition's
+    sampling rate q and σ are the ones the accountant used.
+    """
     task = presets.digit_task()
     rows = []
-    for label, settings in _settings(config):
+    for label, settings in _settings(bands):
         demo = presets.image_demo_config()
-        pipeline_config = dataclasses.replace(
-            demo,
-            finetune=dataclasses.replace(demo.finetune, steps=config.finetune_steps, **settings),
-        )
+        finetune = dataclasses.replace(demo.finetune, steps=steps, **finetune_overrides, **settings)
         folder = root / label.replace(" ", "_").replace("=", "")
-        pipeline = ImagePipeline(task, pipeline_config, folder, reproducible=reproducible)
-        for epsilon in config.epsilons:
+        pipeline = ImagePipeline(
+            task, dataclasses.replace(demo, finetune=finetune), folder, reproducible=reproducible
+        )
+        examples = len(pipeline.task.train)
+        partition = examples / (settings["bands"] or 1)
+        for epsilon in epsilons:
             runs = [pipeline.run("random_init", epsilon, seed) for seed in config.seeds]
-            examples = len(pipeline.task.train)
+            rows.append(
+                {
+                    "mechanism": label,
+                    "optimizer": finetune.optimizer,
+                    "learning_rate": finetune.learning_rate,
+                    "epsilon": epsilon,
+                    "test_auc": _mean_std([r.utility for r in runs]),
+                    "max_spent_epsilon": max(r.spent.epsilon for r in runs),
+                    "epochs": steps * finetune.batch_size / examples,
+                    "sampling_rate": finetune.batch_size / partition,
+                }
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def text_rows(config: CorrelatedNoiseConfig, root: pathlib.Path, reproducible: bool) -> list:
+    """Test perplexity of the text demo's user-level private fine-tuning, per mechanism and ε.
+
+    Every mechanism starts from the same model per seed, pretrained on public documents drawn
+    uniformly over the domains (stored under `root`), and fine-tunes on all train users; the
+    seeds' spread is mostly the pretrained models', so each row also has the paired difference
+    to DP-SGD's perplexity at its ε and seed (mean ± std over seeds).
+
+    Privacy: the accounted DP fine-tuning of the text pipeline (`TextPipeline.finetune_trainer`:
+    Poisson-sampled users, up to G rows each, clipped per user); its noise and sampler are
+    private streams of the run named by mechanism and ε (`private_seed`), and the reported ε is
+    the ledger's for the steps that ran.
+    """
+    pipeline = TextPipeline(
+        text_presets.text_task(), text_presets.text_demo_config(), root, reproducible=reproducible
+    )
+    demo = pipeline.config.finetune
+    rows_all = np.arange(len(pipeline.task.train))
+    users = len(np.unique(np.asarray(pipeline.task.train.user_ids)))
+    uniform = np.full(pipeline.k, 1.0 / pipeline.k)
+    models = {seed: pipeline.pretrained(uniform, seed) for seed in config.seeds}
+    rows, independent = [], {}
+    for label, settings in _settings(config.bands):
+        for epsilon in config.epsilons:
+            finetune = dataclasses.replace(
+                demo, steps=config.text_steps, epsilon=epsilon, delta=config.delta, **settings
+            )
+            name = f"finetune_{label}_eps{common.epsilon_name(epsilon)}"
+            perplexities, spent = [], []
+            for seed in config.seeds:
+                key = pipeline.private_seed(seed, name, pipeline.config_key)
+                trainer, data = pipeline.finetune_trainer(
+                    models[seed], finetune, rows_all, randomness.prng_key(key)
+                )
+                sampler = pipeline.private_seed(seed, name, pipeline.config_key, "sampler")
+                result = fit(trainer, data, rng=np.random.default_rng(sampler))
+                perplexities.append(pipeline.utility(result.model, "test"))
+                spent.append(result.ledger.budget(config.delta, demo.accountant).epsilon)
+            baseline = independent.setdefault(epsilon, perplexities)  # DP-SGD runs first
             rows.append(
                 {
                     "mechanism": label,
                     "epsilon": epsilon,
-                    "test_auc": _mean_std([r.utility for r in runs]),
-                    "max_spent_epsilon": max(r.spent.epsilon for r in runs),
-                    "epochs": config.finetune_steps * demo.finetune.batch_size / examples,
+                    "test_perplexity": _mean_std(perplexities),
+                    "minus_dp_sgd": _mean_std(
+                        [p - q for p, q in zip(perplexities, baseline, strict=True)]
+                    ),
+                    "max_spent_epsilon": max(spent),
+                    "epochs": config.text_steps * demo.batch_size / users,
+                    "sampling_rate": demo.batch_size / (users / (settings["bands"] or 1)),
                 }
             )
             print(rows[-1], flush=True)
+    pretrained = [pipeline.utility(models[seed], "test") for seed in config.seeds]
+    rows.append({"mechanism": "pretrained only", "test_perplexity": _mean_std(pretrained)})
     return rows
 
 
@@ -116,7 +227,7 @@ def mixmin_rows(config: CorrelatedNoiseConfig, reproducible: bool) -> list:
         noise_seed = seed if reproducible else randomness.secret_seed()
         problems.append((preds, reference, noise_seed))
     rows = []
-    for label, settings in _settings(config):
+    for label, settings in _settings(config.bands):
         for epsilon in config.epsilons:
             excess, cosine, spent, sigma = [], [], [], None
             for preds, reference, noise_seed in problems:
@@ -185,22 +296,60 @@ def noise_step_rows(config: CorrelatedNoiseConfig) -> list:
     return rows
 
 
+def _auc_table(rows: list, title: str) -> list[str]:
+    lines = [
+        title,
+        "",
+        "| optimizer | η | mechanism | ε | q | test AUC | spent ε (max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        auc = r["test_auc"]
+        lines.append(
+            f"| {r['optimizer']} | {r['learning_rate']:g} | {r['mechanism']} | {r['epsilon']:g} | "
+            f"{r['sampling_rate']:.3f} | {auc[0]:.4f} ± {auc[1]:.4f} | "
+            f"{r['max_spent_epsilon']:.3f} |"
+        )
+    return lines
+
+
 def markdown(results: dict) -> str:
     """The tables of `results` (numbers as stored in the JSON, rounded for display)."""
     config = results["config"]
-    lines = [
+    seeds = len(config["seeds"])
+    lines = _auc_table(
+        results["finetune"],
         f"Private fine-tuning of the image demo (digits, random initialisation, "
         f"{config['finetune_steps']} steps, {results['finetune'][0]['epochs']:.1f} epochs), "
-        f"test macro AUC, mean ± std over {len(config['seeds'])} seeds:",
+        f"test macro AUC, mean ± std over {seeds} seeds; q is the sampling rate of a step:",
+    )
+    lines += [""] + _auc_table(
+        results["long_finetune"],
+        f"Long private fine-tuning of the image demo (digits, random initialisation, expected "
+        f"batch {config['long_batch_size']}, {config['long_steps']} steps, "
+        f"{results['long_finetune'][0]['epochs']:.1f} epochs), test macro AUC, "
+        f"mean ± std over {seeds} seeds:",
+    )
+    text = results["text"]
+    lines += [
         "",
-        "| mechanism | ε | test AUC | spent ε (max) |",
-        "|---|---|---|---|",
+        f"User-level private fine-tuning of the text demo (embedded text default, the model "
+        f"pretrained on the uniform mixture, all train users, {config['text_steps']} steps, "
+        f"{text[0]['epochs']:.1f} epochs), test perplexity (lower is better), mean ± std over "
+        f"{seeds} seeds:",
+        "",
+        "| mechanism | ε | q | test perplexity | minus DP-SGD's (paired) | spent ε (max) |",
+        "|---|---|---|---|---|---|",
     ]
-    for r in results["finetune"]:
-        auc = r["test_auc"]
+    for r in text:
+        perplexity = f"{r['test_perplexity'][0]:.3f} ± {r['test_perplexity'][1]:.3f}"
+        if "epsilon" not in r:
+            lines.append(f"| {r['mechanism']} | – | – | {perplexity} | – | – |")
+            continue
+        paired = f"{r['minus_dp_sgd'][0]:+.3f} ± {r['minus_dp_sgd'][1]:.3f}"
         lines.append(
-            f"| {r['mechanism']} | {r['epsilon']:g} | {auc[0]:.4f} ± {auc[1]:.4f} | "
-            f"{r['max_spent_epsilon']:.3f} |"
+            f"| {r['mechanism']} | {r['epsilon']:g} | {r['sampling_rate']:.3f} | {perplexity} | "
+            f"{paired} | {r['max_spent_epsilon']:.3f} |"
         )
     lines += [
         "",
@@ -248,7 +397,30 @@ def main(config: CorrelatedNoiseConfig, out: pathlib.Path, *, reproducible: bool
         "config": dataclasses.asdict(config),
         "provenance": provenance(),
         "noise_seeded": reproducible,
-        "finetune": finetune_rows(config, out / "stages", reproducible),
+        "finetune": finetune_rows(
+            config,
+            out / "stages",
+            reproducible,
+            bands=config.bands,
+            epsilons=config.epsilons,
+            steps=config.finetune_steps,
+        ),
+        "long_finetune": [
+            row
+            for optimizer, learning_rate in config.long_optimizers
+            for row in finetune_rows(
+                config,
+                out / "stages" / f"long_{optimizer}_{learning_rate}",
+                reproducible,
+                bands=config.long_bands,
+                epsilons=config.long_epsilons,
+                steps=config.long_steps,
+                batch_size=config.long_batch_size,
+                optimizer=optimizer,
+                **_learning_rate(learning_rate),
+            )
+        ],
+        "text": text_rows(config, out / "stages" / "text", reproducible),
         "mixmin": mixmin_rows(config, reproducible),
         "noise_step": noise_step_rows(config),
     }

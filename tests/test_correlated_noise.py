@@ -637,19 +637,46 @@ def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
     from experiments import correlated_noise as study
 
     config = study.CorrelatedNoiseConfig(
-        bands=(2,), epsilons=(2.0,), seeds=(0,), finetune_steps=4, mixmin_examples=500,
-        mixmin_steps=6, mixmin_batch_size=50, bench_size=1000, bench_repeats=2,
+        bands=(2,), epsilons=(2.0,), seeds=(0,), finetune_steps=4, long_bands=(4,),
+        long_epsilons=(2.0,), long_batch_size=8, long_steps=8,
+        long_optimizers=(("adam", None), ("momentum", 0.05)),
+        text_steps=3, mixmin_examples=500, mixmin_steps=6, mixmin_batch_size=50,
+        bench_size=1000, bench_repeats=2,
     )  # fmt: skip
     results = study.main(config, tmp_path, reproducible=True)
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored["noise_seeded"] is True and stored["provenance"]["command"]
     assert [r["mechanism"] for r in stored["mixmin"]] == ["DP-SGD", "BandMF b=2"]
-    for row in stored["finetune"] + stored["mixmin"]:
+    long = stored["long_finetune"]
+    assert [(r["optimizer"], r["learning_rate"], r["mechanism"]) for r in long] == [
+        ("adam", 1e-3, "DP-SGD"), ("adam", 1e-3, "BandMF b=4"),
+        ("momentum", 0.05, "DP-SGD"), ("momentum", 0.05, "BandMF b=4"),
+    ]  # fmt: skip
+    assert [r["mechanism"] for r in stored["text"]] == ["DP-SGD", "BandMF b=2", "pretrained only"]
+    private_text = stored["text"][:-1]
+    for row in stored["finetune"] + stored["long_finetune"] + private_text + stored["mixmin"]:
         assert row["max_spent_epsilon"] <= 2.0 + 1e-9
         assert row["max_spent_epsilon"] > 1.5  # calibrated to the target, not far below it
+    # b bands sample one partition of n / b units: b times DP-SGD's rate, batch / n.
+    train = len(study.presets.digit_task().train)
+    independent, banded = long[2:]
+    assert independent["sampling_rate"] == pytest.approx(8 / train)
+    assert banded["sampling_rate"] == pytest.approx(4 * 8 / train)
+    assert independent["epochs"] == pytest.approx(8 * 8 / train)
+    users = len(set(study.text_presets.text_task().train.user_ids))
+    assert private_text[1]["sampling_rate"] == pytest.approx(2 * private_text[0]["sampling_rate"])
+    assert private_text[0]["sampling_rate"] == pytest.approx(8 / users)
+    # Fine-tuning moved every model away from the shared pretrained start, differently per noise.
+    pretrained = stored["text"][-1]["test_perplexity"][0]
+    perplexities = [row["test_perplexity"][0] for row in private_text]
+    assert all(1.0 < p < 1000.0 and p != pretrained for p in perplexities)
+    assert perplexities[0] != perplexities[1]
+    assert private_text[0]["minus_dp_sgd"] == [0.0, 0.0]
+    assert private_text[1]["minus_dp_sgd"][0] == pytest.approx(perplexities[1] - perplexities[0])
     assert [r["state_copies"] for r in results["noise_step"]] == [0, 1]
     assert stored["mixmin"][0]["noise_multiplier"] != stored["mixmin"][1]["noise_multiplier"]
     assert (tmp_path / "results.md").read_text().strip() == study.markdown(stored)
+    assert f"| momentum | 0.05 | BandMF b=4 | 2 | {32 / train:.3f} |" in study.markdown(stored)
 
 
 def test_docs_page_shows_the_stored_results_exactly():
