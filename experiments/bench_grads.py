@@ -633,6 +633,11 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _throughput_cell(value: float | None, spec: str = ".0f") -> str:
+    """Examples per second: `spec` from 100 up, three significant digits below."""
+    return _cell(value, spec if value is not None and value >= 100 else ".3g")
+
+
 def _markdown(header: list[str], lines: list[list[str]]) -> str:
     rows = ["| " + " | ".join(cells) + " |" for cells in (header, *lines)]
     return "\n".join([rows[0], "|" + "---|" * len(header), *rows[1:]])
@@ -658,7 +663,7 @@ def performance_table(report: dict) -> str:
     for s in report["summary"]:
         key = (s["model"], s["batch_size"])
         speeds = [by_key.get((*key, m)) for m in methods.values()]
-        cells = [_cell(r and r["examples_per_second"], ".0f") for r in speeds]
+        cells = [_throughput_cell(r and r["examples_per_second"]) for r in speeds]
         cells += [_cell(s[name], ".2f") for name in ratios.values()]
         cells[len(methods)] += f" ({s['fastest_dp'].removeprefix('dp_')})"
         lines.append([_MODEL_LABELS[s["model"]], str(s["batch_size"]), *cells])
@@ -694,7 +699,7 @@ def lora_table(report: dict) -> str:
             memory = r["peak_memory_bytes"] and r["peak_memory_bytes"] / 2**20
             lines.append([
                 _MODEL_LABELS[s["model"]], str(s["batch_size"]), method,
-                f"{r['trainable_parameters']:,}", _cell(r["examples_per_second"], ".1f"),
+                f"{r['trainable_parameters']:,}", _throughput_cell(r["examples_per_second"], ".1f"),
                 _cell(memory, ".1f"),
             ])  # fmt: skip
     ratios = ("lora_dp_over_lora_nonprivate_time", "lora_dp_over_trainer_dp_memory",

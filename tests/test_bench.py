@@ -22,7 +22,7 @@ from experiments.configs.bench_grads import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STORED = ROOT / "docs" / "results" / "bench-cpu.json"
+STORED = {p: ROOT / "docs" / "results" / f"bench-{p}.json" for p in ("cpu", "cpu_small")}
 
 
 def _tiny_gpt2_parameters() -> int:
@@ -167,13 +167,14 @@ def test_lora_methods_run_on_gpt2_only():
     assert [r["method"] for r in rows] == ["nonprivate"]
 
 
-def test_stored_run_is_complete():
-    report = json.loads(STORED.read_text())
-    assert report["preset"] == "cpu" and report["noise_seeded"] is True
+@pytest.mark.parametrize("preset", sorted(STORED))
+def test_stored_run_is_complete(preset):
+    report = json.loads(STORED[preset].read_text())
+    assert report["preset"] == preset and report["noise_seeded"] is True
     origin = report["provenance"]
-    assert origin["command"].startswith("python -m experiments.bench_grads --preset cpu")
+    assert origin["command"].startswith(f"python -m experiments.bench_grads --preset {preset} ")
     assert origin["commit"] and "modified" not in origin["commit"]
-    config = get_config("cpu")
+    config = get_config(preset)
     expected = {
         (spec.model, b, m)
         for spec in config.models
@@ -185,22 +186,23 @@ def test_stored_run_is_complete():
     assert bench_grads.summary(report["results"]) == report["summary"]
 
 
-def test_readme_and_lora_page_show_the_stored_run():
-    report = json.loads(STORED.read_text())
+def test_readme_and_lora_page_show_the_stored_runs():
     readme = (ROOT / "README.md").read_text()
-    performance = readme[readme.index("## Performance") :]
-    for table in (
-        bench_grads.performance_table(report),
-        bench_grads.memory_table(report),
-        bench_grads.mixmin_table(report),
-        bench_grads.pate_table(report),
-    ):
-        assert table in performance
-    origin = report["provenance"]
-    assert origin["commit"] in performance and origin["date"] in performance
     lora_page = (ROOT / "docs" / "lora.md").read_text()
-    assert bench_grads.lora_table(report) in lora_page
-    assert origin["commit"] in lora_page
+    report = json.loads(STORED["cpu"].read_text())
+    performance = readme[readme.index("## Performance") : readme.index("### Small models on CPU")]
+    tables = [bench_grads.performance_table, bench_grads.memory_table, bench_grads.mixmin_table]
+    for table in (*tables, bench_grads.pate_table):
+        assert table(report) in performance
+    small = json.loads(STORED["cpu_small"].read_text())
+    small_models = readme[readme.index("### Small models on CPU") : readme.index("## Embedded")]
+    for table in (bench_grads.performance_table, bench_grads.memory_table):
+        assert table(small) in small_models
+    for stored, section in ((report, performance), (small, small_models)):
+        origin = stored["provenance"]
+        assert origin["commit"] in section and origin["date"] in section
+        assert bench_grads.lora_table(stored) in lora_page
+        assert origin["commit"] in lora_page
 
 
 def test_config_validation():

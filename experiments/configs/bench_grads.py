@@ -5,8 +5,8 @@
   DP-MixMin (k = 16, 1000) and Hot PATE (n = 512, V = 50,257, r = 1000, top-K path); a few
   minutes on 2 cores.
 - "cpu_small": ResNet-18 (batch 16) and GPT-2 small (sequence length 256, batch 4) on CPU, the
-  non-private, vmap, ghost, Trainer, LoRA and Opacus steps only, no MixMin or PATE parts; about
-  4 minutes before the LoRA rows.
+  non-private, vmap, ghost, Trainer, LoRA and Opacus steps only, no MixMin or PATE parts; 5
+  minutes of benchmark on 2 shared cores (docs/results/bench-cpu_small.json).
 - "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
 """
 
