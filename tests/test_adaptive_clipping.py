@@ -11,6 +11,7 @@ import optax
 import pytest
 from dp_accounting.pld import privacy_loss_distribution
 from flax import nnx
+from tiny_trainer import TinyMLP, tiny_data
 
 from dpmix_jax.privacy import accounting, audit, clipping
 from dpmix_jax.privacy.adaptive_clipping import (
@@ -300,28 +301,8 @@ def test_clip_norm_stays_finite_and_positive():
 # ---------------------------------------------------------------------------------------------
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(4, 8, rngs=rngs)
-        self.b = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.b(jax.nn.relu(self.a(x)))
-
-
-RS = np.random.default_rng(0)
-X = RS.normal(size=(80, 4)).astype(np.float32)
-Y = RS.integers(0, 3, size=80)
-USERS = RS.integers(0, 16, size=80)
-
-
-def gather(idx):
-    keep = idx >= 0
-    rows = np.where(keep, idx, 0)
-    return {"inputs": X[rows] * keep[:, None], "label": Y[rows] * keep}
-
-
-DATA = engine.IndexedData(gather=gather, num_examples=80, user_ids=USERS)
+DATA = tiny_data(80, num_users=16)
+gather = DATA.gather
 ADAPTIVE = AdaptiveClipping(target_quantile=0.5, learning_rate=0.3, count_noise_stddev=2.0)
 CONFIG = engine.TrainConfig(
     steps=6, batch_size=16, learning_rate=0.05, optimizer="adam", private=True, clip_norm=5.0,
@@ -333,7 +314,7 @@ CONFIG = engine.TrainConfig(
 def new_trainer(config=CONFIG, key=42):
     num_units = 16 if config.level == "user" else 80
     return engine.Trainer(
-        config, MLP(nnx.Rngs(0)), losses.softmax_cross_entropy(), num_units=num_units,
+        config, TinyMLP(nnx.Rngs(0)), losses.softmax_cross_entropy(), num_units=num_units,
         noise_key=jax.random.key(key),
     )  # fmt: skip
 

@@ -9,32 +9,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_trainer import TinyMLP, tiny_data
 
 from dpmix_jax.privacy.accounting import PrivacyLedger, dpsgd_event
 from dpmix_jax.train import Checkpointer, engine, losses
 
-
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(4, 8, rngs=rngs)
-        self.b = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.b(jax.nn.relu(self.a(x)))
-
-
-RS = np.random.default_rng(0)
-X = RS.normal(size=(80, 4)).astype(np.float32)
-Y = RS.integers(0, 3, size=80)
-
-
-def gather(idx):
-    keep = idx >= 0
-    rows = np.where(keep, idx, 0)
-    return {"inputs": X[rows] * keep[:, None], "label": Y[rows] * keep}
-
-
-DATA = engine.IndexedData(gather=gather, num_examples=80)
+DATA = tiny_data(80)
+gather = DATA.gather
 CONFIG = engine.TrainConfig(
     steps=6,
     batch_size=10,
@@ -54,7 +35,7 @@ CONFIG = engine.TrainConfig(
 def new_trainer():
     return engine.Trainer(
         CONFIG,
-        MLP(nnx.Rngs(0)),
+        TinyMLP(nnx.Rngs(0)),
         losses.softmax_cross_entropy(),
         num_units=80,
         noise_key=jax.random.key(42),
@@ -165,7 +146,7 @@ def test_non_finite_parameters_stop_training_naming_the_step(tmp_path):
     config = dataclasses.replace(CONFIG, learning_rate=1e38, log_every=1)
     trainer = engine.Trainer(
         config,
-        MLP(nnx.Rngs(0)),
+        TinyMLP(nnx.Rngs(0)),
         losses.softmax_cross_entropy(),
         num_units=80,
         noise_key=jax.random.key(42),

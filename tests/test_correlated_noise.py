@@ -19,6 +19,7 @@ import pytest
 import scipy.linalg
 from dp_accounting.rdp import RdpAccountant
 from flax import nnx
+from tiny_trainer import TinyMLP, tiny_data
 
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.privacy import audit, correlated_noise, cyclic_sampling, noise, sampling
@@ -287,27 +288,8 @@ def test_bad_noise_settings_are_refused_in_one_line():
 # ------------------------------------------------------------------------------ the Trainer
 
 
-class MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.a = nnx.Linear(4, 8, rngs=rngs)
-        self.b = nnx.Linear(8, 3, rngs=rngs)
-
-    def __call__(self, x):
-        return self.b(jax.nn.relu(self.a(x)))
-
-
-RS = np.random.default_rng(0)
-X = RS.normal(size=(96, 4)).astype(np.float32)
-Y = RS.integers(0, 3, size=96)
-
-
-def gather(idx):
-    keep = idx >= 0
-    rows = np.where(keep, idx, 0)
-    return {"inputs": X[rows] * keep[:, None], "label": Y[rows] * keep}
-
-
-DATA = engine.IndexedData(gather=gather, num_examples=96)
+DATA = tiny_data(96)
+gather = DATA.gather
 
 
 def _config(**changes):
@@ -323,7 +305,7 @@ def _config(**changes):
 def _trainer(config, key=42):
     return engine.Trainer(
         config,
-        MLP(nnx.Rngs(0)),
+        TinyMLP(nnx.Rngs(0)),
         losses.softmax_cross_entropy(),
         num_units=96,
         noise_key=jax.random.key(key),
@@ -388,7 +370,7 @@ def test_user_level_bandmf_batches_stay_in_the_active_partition():
     data = engine.IndexedData(gather=gather, num_examples=96, user_ids=user_ids)
     config = _config(level="user", max_examples_per_user=2, batch_size=6, bands=2, steps=4)
     trainer = engine.Trainer(
-        config, MLP(nnx.Rngs(0)), losses.softmax_cross_entropy(), num_units=48,
+        config, TinyMLP(nnx.Rngs(0)), losses.softmax_cross_entropy(), num_units=48,
         noise_key=jax.random.key(1),
     )  # fmt: skip
     state = trainer.init_state()
@@ -421,7 +403,7 @@ def test_update_before_noise_stays_within_c_per_unit_for_huge_gradients():
         pad_multiple=4,
     )  # fmt: skip
     trainer = engine.Trainer(
-        config, MLP(nnx.Rngs(0)), lambda m, b: 1e3 * jnp.sum(m(b["inputs"]), axis=1),
+        config, TinyMLP(nnx.Rngs(0)), lambda m, b: 1e3 * jnp.sum(m(b["inputs"]), axis=1),
         num_units=4, noise_key=jax.random.key(9),
     )  # fmt: skip
     state = trainer.init_state()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from scipy import stats
+from test_pate_aggregators import all_histograms, neighbours
 
 from dpmix_jax.pate import accounting, aggregators, generation
 from dpmix_jax.pate.teachers import TableTeachers
@@ -46,21 +47,6 @@ def dpargmax_law(counts, threshold, epsilon, scale, bound):
     )
     outputs = np.asarray(run(jnp.asarray(grid)))
     return np.bincount(np.where(outputs == aggregators.FAIL, vocab, outputs), weights, vocab + 1)
-
-
-def all_histograms(n, vocab):
-    for cut in itertools.combinations(range(n + vocab - 1), vocab - 1):
-        bounds = (-1, *cut, n + vocab - 1)
-        yield tuple(bounds[i + 1] - bounds[i] - 1 for i in range(vocab))
-
-
-def neighbours(counts):
-    for a, b in itertools.permutations(range(len(counts)), 2):
-        if counts[a] > 0:
-            moved = list(counts)
-            moved[a] -= 1
-            moved[b] += 1
-            yield tuple(moved)
 
 
 def worst_over_neighbours(law_of, n, vocab, epsilon):

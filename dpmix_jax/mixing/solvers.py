@@ -608,26 +608,13 @@ def dp_mixmin(
         shift=shift,
         strategy=(1.0,) if strategy is None else strategy.coefficients,
         adaptive_clipping=adaptive_clipping,
+        expected_batch_size=dp_plan.expected_batch_size,
     )
+    arrays = (examples, jnp.asarray(batches), jnp.asarray(masks), key)
     if solver == "mirror_descent":
-        trace = run_mirror_descent(
-            examples,
-            jnp.asarray(batches),
-            jnp.asarray(masks),
-            key,
-            expected_batch_size=dp_plan.expected_batch_size,
-            learning_rate=learning_rate,
-            **common,
-        )
+        trace = run_mirror_descent(*arrays, learning_rate=learning_rate, **common)
     else:
-        trace = run_frank_wolfe(
-            examples,
-            jnp.asarray(batches),
-            jnp.asarray(masks),
-            key,
-            expected_batch_size=dp_plan.expected_batch_size,
-            **common,
-        )
+        trace = run_frank_wolfe(*arrays, **common)
 
     history = np.asarray(trace.history)
     _check_finite(history, solver)
