@@ -36,15 +36,18 @@ load average before and after, and `noise_seeded` (every noise key is fixed: the
 synthetic, nothing here is private). `performance_table`, `lora_table` and `pate_table` render
 a stored result as the README's and docs/lora.md's markdown tables.
 
-Usage: `python -m experiments.bench_grads --preset cpu --json bench.json`.
+Usage: `python -m experiments.bench_grads --preset cpu --json runs/bench.json` (the Opacus rows need
+the `compare` extra: `pip install -e '.[compare]'`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
+import pathlib
 import resource
 import statistics
 import sys
@@ -788,11 +791,28 @@ def run(config: BenchConfig) -> dict:
     }
 
 
+def check_can_run(config: BenchConfig, preset: str) -> None:
+    """Refuses, before any work, a preset this machine cannot run: the "gpu" preset without an
+    accelerator, or Opacus rows without PyTorch and Opacus installed."""
+    if preset == "gpu" and jax.default_backend() == "cpu":
+        raise ValueError(
+            "argument --preset: gpu needs an accelerator, and JAX sees only CPU devices here; "
+            "install JAX for the accelerator (README, Set-up) or use --preset cpu"
+        )
+    if any(method.startswith("opacus") for method in config.methods):
+        missing = [m for m in ("torch", "opacus") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ValueError(
+                f"the Opacus comparison rows need {' and '.join(missing)}, which are not "
+                "installed: pip install -e '.[compare]'"
+            )
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = experiment_parser(
         "bench_grads",
         __doc__.splitlines()[0],
-        examples=("--preset cpu --json bench.json", "--preset cpu_small", "--preset gpu"),
+        examples=("--preset cpu --json runs/bench.json", "--preset cpu_small", "--preset gpu"),
     )
     parser.add_argument(
         "--preset",
@@ -808,7 +828,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="also write the results as JSON to PATH (default: no file)",
     )
     args = parser.parse_args(argv)
-    report = {"preset": args.preset, **run(get_config(args.preset))}
+    config = get_config(args.preset)
+    check_can_run(config, args.preset)
+    report = {"preset": args.preset, **run(config)}
     print(_table(report["results"]))
     print(
         "\nFastest DP path: step time / non-private, throughput / Opacus DP; Trainer step time "
@@ -853,6 +875,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:9.1f} "
               f"{cost:6.2f}x")  # fmt: skip
     if args.json:
+        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
             f.write("\n")

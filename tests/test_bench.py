@@ -220,3 +220,20 @@ def test_config_validation():
         get_config("tpu-pod")
     for preset in PRESETS:
         assert get_config(preset).models
+
+
+def test_presets_this_machine_cannot_run_are_refused_before_any_work(monkeypatch):
+    monkeypatch.setattr(bench_grads.jax, "default_backend", lambda: "cpu")
+    with pytest.raises(ValueError, match="gpu needs an accelerator"):
+        bench_grads.check_can_run(get_config("gpu"), "gpu")
+    bench_grads.check_can_run(get_config("cpu"), "cpu")  # torch and opacus are installed here
+    real_find_spec = bench_grads.importlib.util.find_spec
+    monkeypatch.setattr(
+        bench_grads.importlib.util,
+        "find_spec",
+        lambda name: None if name == "opacus" else real_find_spec(name),
+    )
+    with pytest.raises(ValueError, match=r"need opacus, .*\[compare\]"):
+        bench_grads.check_can_run(get_config("cpu"), "cpu")
+    without_opacus = dataclasses.replace(get_config("micro"), methods=("nonprivate", "dp_ghost"))
+    bench_grads.check_can_run(without_opacus, "micro")
