@@ -791,6 +791,11 @@ def run(config: BenchConfig) -> dict:
     }
 
 
+def _ratio_cells(row: dict, names: tuple[str, ...]) -> str:
+    """The summary row's ratios `names`, two decimals ("-" where absent), as aligned cells."""
+    return " ".join(f"{'-' if row[n] is None else f'{row[n]:.2f}':>6}" for n in names)
+
+
 def check_can_run(config: BenchConfig, preset: str) -> None:
     """Refuses, before any work, a preset this machine cannot run: the "gpu" preset without an
     accelerator, or Opacus rows without PyTorch and Opacus installed."""
@@ -837,28 +842,21 @@ def main(argv: list[str] | None = None) -> dict:
         "/ fastest DP, / non-private"
     )
     for row in report["summary"]:
-        ratios = [
-            "-" if row[name] is None else f"{row[name]:.2f}"
-            for name in ("dp_over_nonprivate_time", "ours_over_opacus_throughput",
-                         "trainer_over_fastest_dp_time", "trainer_over_nonprivate_time")
-        ]  # fmt: skip
-        print(f"  {row['model']:<12} B={row['batch_size']:<5} {row['fastest_dp']:<14} "
-              + " ".join(f"{r:>6}" for r in ratios))  # fmt: skip
+        ratios = _ratio_cells(row, ("dp_over_nonprivate_time", "ours_over_opacus_throughput",
+                                    "trainer_over_fastest_dp_time",
+                                    "trainer_over_nonprivate_time"))  # fmt: skip
+        print(f"  {row['model']:<12} B={row['batch_size']:<5} {row['fastest_dp']:<14} {ratios}")
     print(
         "\nBandMF: step time / non-private, / DP ghost; memory / DP ghost. LoRA DP: step time "
         "/ LoRA non-private; memory / trainer_dp; LoRA non-private memory / non-private"
     )
     for row in report["summary"]:
-        ratios = [
-            "-" if row[name] is None else f"{row[name]:.2f}"
-            for name in ("bandmf_over_nonprivate_time", "bandmf_over_ghost_time",
-                         "bandmf_over_ghost_memory", "lora_dp_over_lora_nonprivate_time",
-                         "lora_dp_over_trainer_dp_memory",
-                         "lora_nonprivate_over_nonprivate_memory")
-        ]  # fmt: skip
-        print(
-            f"  {row['model']:<12} B={row['batch_size']:<5} " + " ".join(f"{r:>6}" for r in ratios)
-        )
+        ratios = _ratio_cells(row, ("bandmf_over_nonprivate_time", "bandmf_over_ghost_time",
+                                    "bandmf_over_ghost_memory",
+                                    "lora_dp_over_lora_nonprivate_time",
+                                    "lora_dp_over_trainer_dp_memory",
+                                    "lora_nonprivate_over_nonprivate_memory"))  # fmt: skip
+        print(f"  {row['model']:<12} B={row['batch_size']:<5} {ratios}")
     if report["mixmin"]:
         print("\nDP-MixMin (nll): seconds per step")
     for row in report["mixmin"]:
