@@ -1,4 +1,4 @@
-"""Diversity-transfer metrics against naive loops, and coordinated vs independent at T = n/2."""
+"""Diversity-transfer metrics against naive loops, and the summary the experiment reports."""
 
 import jax
 import jax.numpy as jnp
@@ -61,19 +61,14 @@ def test_max_passing_threshold_over_groups_of_tries():
         metrics.max_passing_threshold(jnp.asarray(hist), 31)
 
 
-def test_coordinated_transfers_diversity_at_half_n_and_independent_does_not():
-    n, vocab, k = 64, 200, 8
-    key_shared, key_private, key = jax.random.split(jax.random.key(0), 3)
-    shared = jnp.full((vocab,), -jnp.inf).at[:k].set(0.0)
-    # Diverse teachers: k equally plausible shared tokens plus small per-teacher variations.
-    logits = shared + 0.3 * jax.random.normal(key_private, (n, vocab))
-    threshold = jnp.array([n / 2])
+def test_summary_reports_transferred_support_and_passing_thresholds():
+    # Coordinated votes of 64 teachers over 8 equally plausible tokens (the claims module compares
+    # them with independent votes).
+    n, vocab = 64, 200
+    key_private, key = jax.random.split(jax.random.key(0))
+    logits = jnp.full((vocab,), -jnp.inf).at[:8].set(0.0)
+    logits = logits + 0.3 * jax.random.normal(key_private, (n, vocab))
     hot = samplers.coordinated_histograms(key, logits, 300)
-    cold = samplers.independent_histograms(key, logits, 300)
-    assert float(metrics.coverage(hot, threshold)[0]) > 0.7
-    assert int(metrics.transferred_support(hot, threshold)[0]) >= 5
-    assert int(metrics.transferred_support(cold, threshold)[0]) <= 1
-    assert float(metrics.coverage(cold, threshold)[0]) < 0.05
     summary = metrics.summarize(hot, np.array([n / 16, n / 2]))
-    assert summary["support"][1] == int(metrics.transferred_support(hot, threshold)[0])
+    assert summary["support"][1] == int(metrics.transferred_support(hot, jnp.array([n / 2]))[0])
     assert set(summary["max_passing_threshold"]) == {"1", "5", "10"}
