@@ -1,4 +1,5 @@
-"""Every command the README quotes parses and starts; every generated table matches its file."""
+"""Every command README.md and docs/*.md quote parses and starts; every generated table matches its
+file; every linked page and image exists; the front page stays short."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from dpmix_jax.pipeline import report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCUMENTS = report.documents(ROOT)
 RESULTS = ROOT / "docs" / "results"
-# A quoted command with a placeholder (`dpmix run NAME [args]`) is a template, not a command.
-PLACEHOLDER = re.compile(r"\[|\b[A-Z][A-Z_]{2,}\b")
+# A quoted command with a placeholder (`dpmix run NAME [args]`, `--bands B`) is a template, not a
+# command.
+PLACEHOLDER = re.compile(r"\[|\b[A-Z][A-Z_]{2,}\b|(?<=\s)[A-Z](?=\s|$)")
 COMMAND_START = re.compile(r"^(time |\.venv/bin/)?(dpmix( |$)|python3? -m experiments\.)")
 # A command may ask for more devices (`--mesh data=8`) or processes (`--distributed`) than the
 # test has: the mesh is parsed and checked for form only, and no process group is joined.
@@ -46,7 +49,7 @@ def _inline_commands(text: str) -> list[str]:
 
 
 def readme_commands() -> list[str]:
-    text = README.read_text()
+    text = "\n".join(path.read_text() for path in DOCUMENTS)
     seen: dict[object, str] = {}
     for command in _bash_lines(text) + _inline_commands(text):
         argv = dpmix_argv(command)
@@ -154,9 +157,16 @@ def test_readme_command_parses_and_starts(command, monkeypatch, tmp_path, capsys
 
 def test_readme_tables_match_their_results_files():
     assert report.MARKER.search(README.read_text()), "the README has no generated table"
-    assert report.check_markdown(README, RESULTS) == []
+    for path in DOCUMENTS:
+        assert report.check_markdown(path, RESULTS) == [], path
 
 
-def test_readme_images_exist():
-    for image in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README.read_text()):
-        assert (ROOT / image).is_file(), image
+@pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
+def test_linked_pages_and_images_exist(path):
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+        if not target.startswith(("http://", "https://")):
+            assert (path.parent / target).exists(), f"{path.name} links to missing {target}"
+
+
+def test_the_front_page_is_short():
+    assert len(README.read_text().splitlines()) <= 250

@@ -1,4 +1,4 @@
-"""Results tables of a markdown file (the README), rebuilt from checked-in results files.
+"""Results tables of the markdown files (README.md and docs/*.md), rebuilt from checked-in results files.
 
 A generated table sits between two markers:
 
@@ -127,6 +127,12 @@ def rebuild(
         return match["open"] + render(view, cache[name], source) + match["close"]
 
     return MARKER.sub(replace, text), names
+
+
+def documents(root: pathlib.Path) -> list[pathlib.Path]:
+    """The markdown files whose tables `dpmix report` rebuilds: README.md and docs/*.md."""
+    root = pathlib.Path(root)
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
 def update_markdown(path: pathlib.Path, results_dir: pathlib.Path) -> list[str]:
