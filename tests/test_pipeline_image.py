@@ -100,6 +100,30 @@ def _direct_composition(ledgers, delta):
     return direct.get_epsilon(delta)
 
 
+def test_end_to_end_budget_is_the_max_or_the_composed_events():
+    def ledger(sigma, rate, steps):
+        out = accounting.PrivacyLedger()
+        out.record(
+            accounting.dpsgd_event(noise_multiplier=sigma, sampling_rate=rate, steps=1), steps
+        )
+        return out
+
+    stages = {"mixture": ledger(3.0, 0.05, 100), "finetune": ledger(1.5, 0.02, 300)}
+    mixture, finetune = (stages[k].epsilon(1e-5) for k in ("mixture", "finetune"))
+    parallel = common.end_to_end_budget(stages, "parallel", delta=1e-5)
+    assert parallel == accounting.PrivacyBudget(max(mixture, finetune), 1e-5)
+    sequential = common.end_to_end_budget(stages, "sequential", delta=1e-5)
+    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    direct.compose(stages["mixture"].event()).compose(stages["finetune"].event())
+    assert direct.get_epsilon(1e-5) <= sequential.epsilon <= direct.get_epsilon(1e-5) * 1.001
+    assert max(mixture, finetune) < sequential.epsilon < mixture + finetune
+    assert sequential.delta == 1e-5
+    with pytest.raises(ValueError, match="composition"):
+        common.end_to_end_budget(stages, "serial", delta=1e-5)
+    with pytest.raises(ValueError, match="at least one"):
+        common.end_to_end_budget({}, "sequential", delta=1e-5)
+
+
 def test_sequential_composition_uses_all_data_and_composes_the_stage_events(task, tmp_path):
     pipeline = ImagePipeline(task, tiny_config(composition="sequential"), tmp_path)
     result = pipeline.run("dp_mixmin", 2.0, seed=0)

@@ -25,9 +25,9 @@ What the `cpu` preset runs (`get_config("cpu")`):
     steps of 32 x 128 tokens (learning rate 3e-3) on the public text domains (at most 300
     documents per domain, every 20th held out for the perplexity); the sensitive records are
     the sentences (at least 20 characters, cut to 24 tokens) of the e-mails of 20 users of the
-    text default's sensitive corpus, dealt by a keyed hash to n = 512 teachers with 4 records each, prompt = records +
-    the public instruction "The"; 8 decoding steps with r = 1000 histograms per step and
-    sampler.
+    text default's sensitive corpus, dealt by a keyed hash to n = 512 teachers with 4 records
+    each, prompt = records + the public instruction "The"; 8 decoding steps with r = 1000
+    histograms per step and sampler.
 (c) generation: 2 sequences of at most 12 tokens for each aggregator and sampler, with the
     public fallback model (the same GPT-2 given only the instruction): DPWS at (ε, δ) =
     (1, 1e-6) per call, DPARGMAX (Laplace, ε = 1 per call, threshold 0.6n) and confident-GNMax
@@ -43,8 +43,9 @@ The privacy unit of (b) and (c) is one record (one sentence of one e-mail).
 n = 512 teachers with 4 records, 32 steps, r = 1000 (top-128 path); (c) 16 sequences of at most
 32 tokens; (d) as cpu. It is sized for an accelerator.
 
-`tiny`: every part at toy sizes (n = 32 teachers, V = 200 in (a), 20 public steps in (b), one
-sequence of 4 tokens in (c), 2,000 draws in (d), 1,000 for DPWS); the tests run it. All four
+`tiny`: every part at toy sizes (n = 32 teachers in (a)-(c), V = 200 in (a), 20 public steps in
+(b), one sequence of 4 tokens in (c), n = 16 and 2,000 draws in (d), DPWS n = 48 and 1,000
+draws); the tests run it. All four
 parts took 32 s on 2 shared CPU cores (`--preset tiny --reproducible`, 2026-12-03).
 """
 
