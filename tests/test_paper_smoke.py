@@ -175,7 +175,7 @@ def compilation_cache(tmp_path_factory):
 
 def _check_runs(results: dict, methods: tuple[str, ...], candidates: int) -> None:
     """Every method ran once at ε = 1, within its budget as the accountant reports it (random
-    search fine-tunes each of its candidates on D_ft: their budgets add up)."""
+    search fine-tunes each of its candidates on D_ft: their composition, at most the sum)."""
     runs = results["runs"]
     assert sorted(r["method"] for r in runs) == sorted(methods)
     for run in runs:

@@ -5,6 +5,9 @@ import math
 import dp_accounting
 import numpy as np
 import pytest
+from dp_accounting.rdp import rdp_privacy_accountant
+from scipy import integrate, special, stats
+from test_pate_aggregators import all_histograms, neighbours
 
 from dpmix_jax.pate import accounting
 from dpmix_jax.privacy.accounting import PrivacyLedger, epsilon
@@ -135,3 +138,118 @@ def test_report_rejects_mismatched_shapes():
         accounting.confident_gnmax_report(
             np.ones((3, 4)), np.ones(2, bool), threshold=1, sigma1=1, sigma2=1, delta=1e-5
         )
+
+
+def renyi_divergence(p, q, order):
+    """D_λ(P || Q) of two distributions on the same finite outcomes."""
+    return special.logsumexp(order * np.log(p) + (1 - order) * np.log(q)) / (order - 1)
+
+
+def gnmax_output_probabilities(counts, sigma):
+    """Pr[argmax_j (c_j + N(0, σ²)) = j] for every j, by numerical integration over the
+    winner's noise: ∫ φ_σ(z) Π_{k≠j} Φ((c_j + z - c_k)/σ) dz."""
+    counts = np.asarray(counts, float)
+    probs = []
+    for j, own in enumerate(counts):
+        others = np.delete(counts, j)
+        centre = others.max() - own  # where the integrand's mass is for a losing token
+
+        def density(z, own=own, others=others):
+            return stats.norm.pdf(z, scale=sigma) * np.prod(
+                stats.norm.cdf((own + z - others) / sigma)
+            )
+
+        value, _ = integrate.quad(
+            density,
+            centre - 12 * sigma - 20,
+            centre + 12 * sigma + 20,
+            points=[centre],
+            limit=500,
+            epsabs=0,
+            epsrel=1e-10,
+        )
+        probs.append(value)
+    return np.array(probs)
+
+
+@pytest.mark.parametrize(
+    ("sigma", "n", "vocab", "order"),
+    [(1.0, 10, 2, 3.0), (0.7, 10, 3, 2.0), (0.7, 10, 3, 5.0), (1.5, 12, 3, 3.0)],
+)
+def test_data_dependent_gnmax_rdp_bounds_the_exact_divergence_of_every_neighbour(
+    sigma, n, vocab, order
+):
+    # Every histogram of n votes over V tokens: the exact Rényi divergence of GNMax's output
+    # distribution to that of each one-vote-move neighbour never exceeds Theorem 6's bound.
+    probs = {c: gnmax_output_probabilities(c, sigma) for c in all_histograms(n, vocab)}
+    cheaper = 0
+    for counts, p in probs.items():
+        log_q = accounting.gnmax_log_q(np.array(counts, float), sigma)
+        bound = accounting.rdp_data_dependent_gaussian(log_q, sigma, np.array([order]))[0]
+        exact = max(renyi_divergence(p, probs[other], order) for other in neighbours(counts))
+        assert exact <= bound * (1 + 1e-6) + 1e-12, counts
+        cheaper += bound < order / sigma**2 - 1e-9
+    assert cheaper >= 4  # the data-dependent branch is exercised, not only λ/σ²
+
+
+@pytest.mark.parametrize(("threshold", "sigma"), [(7.0, 1.5), (9.0, 1.0), (5.0, 2.0)])
+@pytest.mark.parametrize("order", [2.0, 3.0, 4.0])
+def test_data_dependent_threshold_rdp_bounds_the_exact_divergence(threshold, sigma, order):
+    # The check's output is answered or not, Bernoulli(Pr[max c + N(0, σ1²) >= T]); one vote
+    # move changes max c by at most 1 (n = 10 votes over V = 3 tokens: max c in [4, 10]).
+    def answered(top):
+        return float(stats.norm.sf(threshold - top, scale=sigma))
+
+    cheaper = 0
+    for top in range(4, 11):
+        counts = np.array([top, 10 - top, 0], float)
+        log_pr = accounting.log_pr_answered(counts, threshold, sigma)
+        log_q = min(log_pr, math.log(-math.expm1(log_pr)))
+        bound = accounting.rdp_data_dependent_gaussian(
+            log_q, math.sqrt(2) * sigma, np.array([order])
+        )[0]
+        here = [answered(top), 1 - answered(top)]
+        for other in (top - 1, top + 1):
+            if 4 <= other <= 10:
+                there = [answered(other), 1 - answered(other)]
+                assert renyi_divergence(here, there, order) <= bound * (1 + 1e-6) + 1e-12
+        cheaper += bound < order / (2 * sigma**2) - 1e-9
+    assert cheaper >= 1
+
+
+@pytest.mark.parametrize(("sigma1", "sigma2", "queries"), [(150.0, 40.0, 100), (4.0, 2.0, 3)])
+def test_data_independent_rdp_is_dp_accountings_rdp_of_the_gaussians(sigma1, sigma2, queries):
+    # The report's data-independent RDP curve is dp_accounting's RDP of the composed Gaussian
+    # events: converted by dp_accounting's own conversion it gives the RDP accountant's ε.
+    delta = 1e-5
+    flat = np.tile([3, 3, 2, 2], (queries, 1))
+    report = accounting.confident_gnmax_report(
+        flat, np.ones(queries, bool), threshold=3, sigma1=sigma1, sigma2=sigma2, delta=delta
+    )
+    curve = queries * (ORDERS / (2 * sigma1**2) + ORDERS / sigma2**2)
+    rdp = dp_accounting.rdp.RdpAccountant(list(ORDERS))
+    rdp.compose(accounting.confident_gnmax_event(sigma1, sigma2), queries)
+    converted, _ = rdp_privacy_accountant.compute_epsilon(ORDERS, curve, delta)
+    assert converted == pytest.approx(rdp.get_epsilon(delta), rel=1e-9)
+    # Our conversion is the classic one, ε = min_λ R(λ) + ln(1/δ)/(λ - 1), which is
+    # dp_accounting's without its improvement log(1 - 1/λ) - ln(λ)/(λ - 1) < 0: never below it.
+    classic = min(curve + math.log(1 / delta) / (ORDERS - 1))
+    assert report.epsilon_data_independent_rdp == pytest.approx(classic, rel=1e-12)
+    assert report.epsilon_data_independent_rdp >= converted
+    # A tie at the threshold and between the top tokens: the data-dependent analysis saves
+    # nothing, and its ε is the same classic conversion of the same curve.
+    assert report.epsilon_data_dependent == pytest.approx(classic, rel=1e-9)
+    assert report.epsilon_data_independent <= converted  # PLD is tighter than RDP
+
+
+def test_rdp_to_epsilon_is_the_classic_conversion_and_not_below_dp_accountings():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        curve = ORDERS * rng.uniform(1e-4, 0.5) + rng.uniform(0, 0.1)
+        delta = 10.0 ** rng.uniform(-10, -3)
+        eps, order = accounting.rdp_to_epsilon(curve, ORDERS, delta)
+        by_hand = [r + math.log(1 / delta) / (a - 1) for r, a in zip(curve, ORDERS, strict=True)]
+        assert eps == pytest.approx(min(by_hand), rel=1e-12)
+        assert order == ORDERS[int(np.argmin(by_hand))]
+        improved, _ = rdp_privacy_accountant.compute_epsilon(ORDERS, curve, delta)
+        assert improved <= eps

@@ -10,8 +10,10 @@ The library's bound must never be below it (that would break privacy) and stays 
 
 import math
 
+import dp_accounting
 import numpy as np
 import pytest
+from dp_accounting.rdp import rdp_privacy_accountant
 from test_pate_aggregators import all_histograms, neighbours
 
 from dpmix_jax.pate import accounting
@@ -53,6 +55,22 @@ def test_gnmax_rdp_of_the_analysis_is_the_accountants_rdp():
         log_q = accounting.gnmax_log_q(np.array(c, float), sigma)
         expected = accounting.rdp_data_dependent_gaussian(log_q, sigma, np.array([order]))[0]
         assert ss._rdp_gnmax(log_q, sigma, order) == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize(("sigma", "order"), [(1.0, 3.0), (0.7, 5.0), (4.0, 8.0)])
+def test_released_rdp_above_q0_is_dp_accountings_rdp_of_the_gaussian(sigma, order):
+    # Above q0 the analysis' R is the data-independent λ/σ²: dp_accounting's RDP at λ of GNMax's
+    # Gaussian (L2 sensitivity √2, noise σ); compared through dp_accounting's conversion at λ.
+    log_q0 = ss._log_q0(sigma, order)
+    accountant = dp_accounting.rdp.RdpAccountant([order])
+    accountant.compose(dp_accounting.GaussianDpEvent(sigma / math.sqrt(2)))
+    for log_q in (log_q0, log_q0 / 2, math.log(0.5)):
+        ours = ss._rdp_gnmax(log_q, sigma, order)
+        converted, _ = rdp_privacy_accountant.compute_epsilon([order], [ours], 1e-5)
+        assert converted == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
+    # Below q0 the data-dependent value is smaller.
+    assert ss._rdp_gnmax(2 * log_q0, sigma, order) < order / sigma**2
+    assert ss._data_dependent_bound(log_q0, sigma, order) <= order / sigma**2 * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("x", HISTOGRAMS)

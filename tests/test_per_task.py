@@ -154,7 +154,8 @@ def test_runs_end_to_end_on_a_tiny_config(tmp_path):
         assert task["methods"]["dp_mixmin"]["gain"]["mean"] == pytest.approx(gain)
         assert 0 <= task["cosine_to_nonprivate"]["dp_mixmin"]["mean"] <= 1 + 1e-9
     assert stored["spent_epsilon"]["dp_mixmin"] <= 1.0 + 1e-6
-    assert stored["spent_epsilon"]["random_search"] > 1.5  # two fine-tunings on the same data
+    # Two fine-tunings on the same data, composed by the accountant: between one and their sum.
+    assert 1.0 < stored["spent_epsilon"]["random_search"] < 2.0
     text = (tmp_path / "results.md").read_text()
     assert "paper, CheXpert -> NIH, macro" in text and "Hernia" in text
     assert report["macro"]["tasks"] == 2

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import shutil
 
+import dp_accounting
 import numpy as np
 import pytest
 
@@ -75,14 +76,73 @@ def test_dp_mixmin_run_stores_its_stages_and_composes_budgets_in_parallel(task, 
     assert (store / "run_dp_mixmin_parallel_eps1.0.json").exists()
 
 
-def test_sequential_composition_uses_all_data_and_adds_the_stage_budgets(task, tmp_path):
+def _stored_ledgers(store, pattern):
+    """The ledgers that the stages matching `pattern` stored, read back independently."""
+    ledgers = []
+    for folder in sorted(store.glob(pattern)):
+        if folder.is_dir():  # a fine-tuning's final checkpoint: its metadata holds the ledger
+            (meta,) = (p for p in (folder / "final").rglob("metadata") if p.parent.name == "meta")
+            state = json.loads(meta.read_text())["ledger"]
+            ledgers.append(accounting.PrivacyLedger.from_state_dict(state))
+        else:
+            ledgers.append(
+                accounting.PrivacyLedger.from_state_dict(json.loads(folder.read_text())["ledger"])
+            )
+    return ledgers
+
+
+def _direct_composition(ledgers, delta):
+    """dp_accounting's PLD accountant on every recorded event, composed one by one."""
+    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    for ledger in ledgers:
+        for event, count in ledger.entries:
+            direct.compose(event, count)
+    return direct.get_epsilon(delta)
+
+
+def test_end_to_end_budget_is_the_max_or_the_composed_events():
+    def ledger(sigma, rate, steps):
+        out = accounting.PrivacyLedger()
+        out.record(
+            accounting.dpsgd_event(noise_multiplier=sigma, sampling_rate=rate, steps=1), steps
+        )
+        return out
+
+    stages = {"mixture": ledger(3.0, 0.05, 100), "finetune": ledger(1.5, 0.02, 300)}
+    mixture, finetune = (stages[k].epsilon(1e-5) for k in ("mixture", "finetune"))
+    parallel = common.end_to_end_budget(stages, "parallel", delta=1e-5)
+    assert parallel == accounting.PrivacyBudget(max(mixture, finetune), 1e-5)
+    sequential = common.end_to_end_budget(stages, "sequential", delta=1e-5)
+    direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    direct.compose(stages["mixture"].event()).compose(stages["finetune"].event())
+    assert direct.get_epsilon(1e-5) <= sequential.epsilon <= direct.get_epsilon(1e-5) * 1.001
+    assert max(mixture, finetune) < sequential.epsilon < mixture + finetune
+    assert sequential.delta == 1e-5
+    with pytest.raises(ValueError, match="composition"):
+        common.end_to_end_budget(stages, "serial", delta=1e-5)
+    with pytest.raises(ValueError, match="at least one"):
+        common.end_to_end_budget({}, "sequential", delta=1e-5)
+
+
+def test_sequential_composition_uses_all_data_and_composes_the_stage_events(task, tmp_path):
     pipeline = ImagePipeline(task, tiny_config(composition="sequential"), tmp_path)
     result = pipeline.run("dp_mixmin", 2.0, seed=0)
     mix, ft = pipeline.split(0)
     assert np.array_equal(mix, ft) and len(mix) == len(task.train)
-    assert result.stages["mixture"].epsilon <= 0.2 and result.stages["finetune"].epsilon <= 1.8
-    assert result.spent.epsilon == pytest.approx(sum(s.epsilon for s in result.stages.values()))
-    assert result.spent.epsilon <= 2.0
+    mixture, finetune = result.stages["mixture"].epsilon, result.stages["finetune"].epsilon
+    assert mixture <= 0.2 and finetune <= 1.8
+    # The end-to-end ε is the accountant's for both stages' events together: below the sum of
+    # the stage budgets the noise was calibrated to, above either stage alone.
+    store = pipeline.stage_folder(0)
+    ledgers = _stored_ledgers(store, "mixture_sequential_*.json")
+    ledgers += _stored_ledgers(store, "finetune_*_ft_sequential_*")
+    assert len(ledgers) == 2
+    direct = _direct_composition(ledgers, 1e-5)
+    assert direct <= result.spent.epsilon <= direct * (1 + 1e-3)
+    assert max(mixture, finetune) < result.spent.epsilon < mixture + finetune <= 2.0
+    assert result.spent.delta == 1e-5
+    stored = json.loads((store / "run_dp_mixmin_sequential_eps2.0.json").read_text())
+    assert stored["spent_epsilon"] == result.spent.epsilon
 
 
 def test_resume_skips_finished_stages_and_reports_the_same_budget(task, tmp_path):
@@ -114,8 +174,19 @@ def test_baselines_are_labelled_and_accounted(task, tmp_path):
     assert not search.private
     scores = search.extra["validation_utilities"]
     assert len(scores) == 2 and search.extra["selected_validation_utility"] == max(scores)
-    # Two candidates, each fine-tuned on the same D_ft at ε = 1: their budgets add up.
-    assert 2 * 0.99 <= search.spent.epsilon <= 2.0
+    # Two candidates, each fine-tuned on the same D_ft at ε = 1: the accountant's ε of the
+    # two fine-tunings' events composed, more than one and less than their sum, at δ itself.
+    store = pipeline.stage_folder(0)
+    ledgers = _stored_ledgers(store, "finetune_*_ft_parallel_eps1.0")
+    candidates = common.dirichlet_candidates(task.k, 2, seed=common.derived_seed(0, "candidates"))
+    assert len(ledgers) == len(candidates) == 2
+    direct = _direct_composition(ledgers, 1e-5)
+    assert direct <= search.spent.epsilon <= direct * (1 + 1e-3)
+    single = max(ledger.epsilon(1e-5) for ledger in ledgers)
+    assert 0.99 <= single <= 1.0
+    assert single < search.spent.epsilon < 0.8 * 2 * single and search.spent.delta == 1e-5
+    stored = json.loads((store / "run_random_search_parallel_eps1.0.json").read_text())
+    assert stored["spent_epsilon"] == search.spent.epsilon
     assert not pipeline.run("nonprivate_mixmin", 1.0, seed=0).private
 
 

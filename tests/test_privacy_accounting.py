@@ -103,6 +103,72 @@ def test_budgets_compose():
         accounting.compose_parallel()
 
 
+def _dpsgd_ledger(noise_multiplier, sampling_rate, steps):
+    ledger = accounting.PrivacyLedger()
+    step = accounting.dpsgd_event(
+        noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, steps=1
+    )
+    ledger.record(step, steps)
+    return ledger
+
+
+def _direct_pld(noise_multiplier, sampling_rate, steps):
+    return privacy_loss_distribution.from_gaussian_mechanism(
+        noise_multiplier, sampling_prob=sampling_rate, value_discretization_interval=1e-4
+    ).self_compose(steps)
+
+
+def test_composed_ledgers_are_the_direct_pld_composition_of_their_mechanisms():
+    # A DP-MixMin stage then a fine-tuning on the same data, then the fine-tuning again.
+    mixture, finetune = _dpsgd_ledger(4.0, 0.05, 200), _dpsgd_ledger(1.2, 0.01, 1000)
+    composed = accounting.compose_ledgers(mixture, finetune, finetune)
+    assert composed.count == 200 + 2 * 1000
+    direct = (
+        _direct_pld(4.0, 0.05, 200)
+        .compose(_direct_pld(1.2, 0.01, 1000))
+        .compose(_direct_pld(1.2, 0.01, 1000))
+        .get_epsilon_for_delta(1e-5)
+    )
+    eps = composed.epsilon(1e-5)
+    assert direct <= eps <= direct * (1 + 1e-3)
+    # The inputs are left as they were.
+    assert mixture.count == 200 and finetune.count == 1000
+
+
+@pytest.mark.parametrize("candidates", [2, 4, 8])
+def test_k_fold_composition_is_between_one_run_and_the_sum(candidates):
+    delta = 1e-5
+    sigma = accounting.calibrate_noise_multiplier(
+        target_epsilon=1.0, delta=delta, sampling_rate=0.01, steps=1000
+    )
+    one = _dpsgd_ledger(sigma, 0.01, 1000)
+    single = one.epsilon(delta)
+    composed = accounting.compose_ledgers(*[one] * candidates)
+    # m identical runs are one m-fold self-composition of the step (dp_accounting's own count).
+    assert composed.entries == [(one.entries[0][0], candidates * 1000)]
+    direct = _direct_pld(sigma, 0.01, candidates * 1000).get_epsilon_for_delta(delta)
+    eps = composed.epsilon(delta)
+    assert direct <= eps <= direct * (1 + 1e-3)
+    summed = accounting.compose_sequential(*[one.budget(delta)] * candidates)
+    assert single < eps < summed.epsilon and summed.delta == pytest.approx(candidates * delta)
+    # Well below basic composition: 1.44 against 2, 2.09 against 4, 3.06 against 8 at ε = 1.
+    assert eps <= 0.75 * summed.epsilon
+
+
+def test_compose_ledgers_refuses_mixed_relations_and_non_ledgers():
+    add_remove = _dpsgd_ledger(1.0, 0.01, 10)
+    replace = accounting.PrivacyLedger(
+        neighboring_relation=accounting.NeighboringRelation.REPLACE_ONE
+    )
+    replace.record(dp_accounting.GaussianDpEvent(1.0))
+    with pytest.raises(ValueError, match="neighbouring relations"):
+        accounting.compose_ledgers(add_remove, replace)
+    with pytest.raises(ValueError, match="at least one"):
+        accounting.compose_ledgers()
+    with pytest.raises(ValueError, match="PrivacyLedger"):
+        accounting.compose_ledgers(add_remove, accounting.PrivacyBudget(1.0, 1e-5))
+
+
 def test_ledger_merges_repeats_and_matches_the_composed_event():
     step = accounting.dpsgd_event(noise_multiplier=1.0, sampling_rate=0.01, steps=1)
     other = accounting.dpsgd_event(noise_multiplier=2.0, sampling_rate=0.02, steps=1)

@@ -9,7 +9,10 @@ noise multiplier is (noise standard deviation or Laplace scale) / (sensitivity o
   `PateLedger`: a `dpmix_jax.privacy.accounting.PrivacyLedger` of events, whose ε is
   dp-accounting's (PLD) composition, plus the δ that DPWS charges per call.
 * Data-dependent (confident-GNMax only; Papernot et al. 2018, "Scalable private learning with
-  PATE", Theorem 6, Propositions 7, 8 and 10): RDP that depends on the actual histograms.
+  PATE", Theorem 6, Propositions 7, 8 and 10): RDP that depends on the actual histograms, which
+  dp-accounting has no analysis for; computed here and converted to ε by the classic
+  conversion (`rdp_to_epsilon`). Where the histograms allow no saving it is dp-accounting's RDP
+  of the same Gaussians.
   Unanswered queries pay only the threshold check, and peaked histograms pay little. The value is
   itself a function of the sensitive data: it is reported for analysis here; its private release
   (smooth sensitivity, as in the paper) is `dpmix_jax.pate.smooth_sensitivity`.
@@ -322,7 +325,15 @@ def rdp_data_dependent_gaussian(log_q: float, sigma: float, orders: np.ndarray) 
 
 
 def rdp_to_epsilon(rdp: np.ndarray, orders: np.ndarray, delta: float) -> tuple[float, float]:
-    """(ε, best order) by the classic conversion ε = min_λ RDP(λ) + ln(1/δ)/(λ-1)."""
+    """(ε, best order) by the classic conversion ε = min_λ RDP(λ) + ln(1/δ)/(λ-1).
+
+    `dp_accounting.rdp.rdp_privacy_accountant.compute_epsilon` (what its RDP accountant
+    reports) uses an improved conversion, lower by ln(λ)/(λ-1) - ln(1 - 1/λ) at each order
+    (0.14 at λ = 32), so the two are not interchangeable. This one is kept so that the
+    report's data-dependent ε and its smooth-sensitivity release (`pate.smooth_sensitivity`,
+    which publishes R̃ + ρ + ln(1/δ)/(λ-1) as PATE 2018 does) use one conversion; it is never
+    below dp_accounting's conversion of the same curve (tests check both).
+    """
     delta = privacy.check_delta(delta)
     eps = np.asarray(rdp) + math.log(1 / delta) / (np.asarray(orders) - 1)
     best = int(np.argmin(eps))

@@ -19,7 +19,10 @@ mechanism, at one Rényi order λ fixed in advance:
 2. Smooth sensitivity SS = max_d e^{-βd}·LS(d), with β < 1/(2λ) (default 0.49/λ).
 3. Release R̃ = R(x) + SS·σ_s·N(0, 1). The release is itself (λ, ρ)-RDP with
    ρ = λ·e^{2β}/σ_s² + (βλ - ½·ln(1 - 2λβ))/(λ - 1) (their Theorem 23), and this cost is added to
-   the published value: ε̃ = R̃ + ρ + ln(1/δ)/(λ - 1).
+   the published value: ε̃ = R̃ + ρ + ln(1/δ)/(λ - 1), the classic RDP-to-DP conversion of
+   `accounting.rdp_to_epsilon` at the one order λ (dp-accounting's improved conversion would
+   publish ln(λ)/(λ - 1) - ln(1 - 1/λ) less; it is not used, so that the release and the
+   report share one conversion). Above q0, R is λ/σ², dp-accounting's RDP of the Gaussian.
 
 The noise multiplier σ_s and λ must be chosen without looking at the sensitive data (e.g. from a
 public dry run); `suggested_noise_multiplier` gives PATE's choice for a guessed SS, and

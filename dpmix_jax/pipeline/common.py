@@ -220,7 +220,9 @@ def stage_epsilons(
 
     Parallel composition (disjoint D_mix and D_ft): both stages get the whole ε. Sequential
     composition (both stages on the same, unsplit data): ε_mix = share·ε, ε_ft = (1 - share)·ε
-    (the paper's sequential setting is share = 0.1).
+    (the paper's sequential setting is share = 0.1). The split calibrates each stage's noise
+    by basic composition (the targets sum to ε); the reported end-to-end ε is the accountant's
+    for the composition of the two stages' events (`end_to_end_budget`), at most ε.
     """
     accounting.check_epsilon(epsilon)
     if composition == "parallel":
@@ -233,13 +235,29 @@ def stage_epsilons(
 
 
 def end_to_end_budget(
-    stages: Mapping[str, accounting.PrivacyBudget], composition: Composition
+    ledgers: Mapping[str, accounting.PrivacyLedger],
+    composition: Composition,
+    *,
+    delta: float,
+    accountant: accounting.Accountant = "pld",
 ) -> accounting.PrivacyBudget:
-    """Parallel composition (max, max) over disjoint splits, or sequential (sums) over the same."""
+    """The end-to-end (ε, δ) of a run's private stages, from their ledgers.
+
+    Parallel composition (stages on disjoint splits): (max ε, δ) of the stages' ε at δ.
+    Sequential composition (stages on the same data): the accountant's ε at δ of the
+    composition of all the stages' events (`accounting.compose_ledgers`), not the sum of their
+    ε. Both are computed by `accountant`.
+
+    Privacy: parallel composition needs the stages' data disjoint in the privacy unit.
+    """
+    if not ledgers:
+        raise ValueError("end_to_end_budget needs at least one stage ledger.")
     if composition == "parallel":
-        return accounting.compose_parallel(*stages.values())
+        return accounting.compose_parallel(
+            *(ledger.budget(delta, accountant) for ledger in ledgers.values())
+        )
     if composition == "sequential":
-        return accounting.compose_sequential(*stages.values())
+        return accounting.compose_ledgers(*ledgers.values()).budget(delta, accountant)
     raise ValueError(f"composition must be 'parallel' or 'sequential', got {composition!r}.")
 
 
@@ -750,10 +768,20 @@ class MixturePipeline(abc.ABC):
     def finetune(
         self, init: Any, init_name: str, part: str, epsilon: float, seed: int
     ) -> tuple[Any, accounting.PrivacyBudget]:
+        """DP fine-tuning (`finetune_with_ledger`), with the (ε, δ) its ledger reports.
+
+        Privacy: as `finetune_with_ledger`.
+        """
+        model, ledger = self.finetune_with_ledger(init, init_name, part, epsilon, seed)
+        return model, ledger.budget(self.config.delta, self.config.finetune.accountant)
+
+    def finetune_with_ledger(
+        self, init: Any, init_name: str, part: str, epsilon: float, seed: int
+    ) -> tuple[Any, accounting.PrivacyLedger]:
         """DP fine-tuning from `init` on D_ft (`part="ft"`) or the whole train split (`"all"`).
 
-        Privacy: DP-SGD at (ε, δ) on the chosen part (`finetune_trainer`); the returned budget is
-        the ledger's for the steps executed (restored, not re-spent, on resume). The noise key is
+        Privacy: DP-SGD at (ε, δ) on the chosen part (`finetune_trainer`); the returned ledger
+        holds the steps executed (restored, not re-spent, on resume). The noise key is
         distinct for every (init, part, composition, ε), a private stream of the run
         (`private_seed`). While it runs, the stage folder holds one owner-only checkpoint
         (`checkpoints/`, with the noise key and sampler, to resume); once finished, only the
@@ -791,7 +819,7 @@ class MixturePipeline(abc.ABC):
         params, _, ledger = reader.restore(template.params)
         reader.close()
         model = trainer.model(TrainState(template.step, params, template.opt_state))
-        return model, ledger.budget(self.config.delta, config.accountant)
+        return model, ledger
 
     @staticmethod
     def _has_checkpoint(folder: pathlib.Path) -> bool:
@@ -814,6 +842,13 @@ class MixturePipeline(abc.ABC):
         Its noise and sampling are the private stream of the stage's full name (composition and
         exact ε), shared with no other stage.
         """
+        weights, _, spent = self._mixture(epsilon, seed)
+        return weights, spent
+
+    def _mixture(
+        self, epsilon: float, seed: int
+    ) -> tuple[np.ndarray, accounting.PrivacyLedger, accounting.PrivacyBudget]:
+        """`mixture`'s λ and budget, with the ledger of the steps it ran (stored with them)."""
         settings = self.config.mixture
         name = f"mixture_{self.config.composition}_eps{epsilon_name(epsilon)}"
 
@@ -849,7 +884,11 @@ class MixturePipeline(abc.ABC):
             }
 
         stored = self._store(seed).json(name, compute)
-        return np.asarray(stored["weights"]), budget_from_json(stored["spent"])
+        return (
+            np.asarray(stored["weights"]),
+            accounting.PrivacyLedger.from_state_dict(stored["ledger"]),
+            budget_from_json(stored["spent"]),
+        )
 
     def nonprivate_weights(self, seed: int) -> np.ndarray:
         """λ by exact MixMin on D_mix.
@@ -891,16 +930,22 @@ class MixturePipeline(abc.ABC):
                 listener.reused(name)
         return RunResult.from_json(stored)
 
+    @property
+    def end_to_end_accountant(self) -> accounting.Accountant:
+        """The accountant of the end-to-end ε: the stages' when they agree, else PLD."""
+        mixture, finetune = self.config.mixture.accountant, self.config.finetune.accountant
+        return finetune if mixture == finetune else "pld"
+
     def _run(self, method: str, epsilon: float, seed: int) -> RunResult:
         if method == "random_search":
             return self._random_search(epsilon, seed)
         composition = self.config.composition
-        stages = {}
+        stages, ledgers = {}, {}
         if method == "dp_mixmin":
             mix_epsilon, ft_epsilon = stage_epsilons(
                 epsilon, composition, self.config.sequential_mixture_share
             )
-            weights, stages["mixture"] = self.mixture(mix_epsilon, seed)
+            weights, ledgers["mixture"], stages["mixture"] = self._mixture(mix_epsilon, seed)
             part = "ft"
         else:
             ft_epsilon, part = epsilon, "all"
@@ -910,8 +955,11 @@ class MixturePipeline(abc.ABC):
                 "nonprivate_mixmin": lambda: self.nonprivate_weights(seed),
             }[method]()
         init = self.pretrained(weights, seed)
-        model, stages["finetune"] = self.finetune(
+        model, ledgers["finetune"] = self.finetune_with_ledger(
             init, weights_key(weights), part, ft_epsilon, seed
+        )
+        stages["finetune"] = ledgers["finetune"].budget(
+            self.config.delta, self.config.finetune.accountant
         )
         return RunResult(
             method=method,
@@ -920,7 +968,12 @@ class MixturePipeline(abc.ABC):
             seed=seed,
             utility=self.utility(model, "test"),
             weights=None if weights is None else [float(w) for w in weights],
-            spent=end_to_end_budget(stages, composition),
+            spent=end_to_end_budget(
+                ledgers,
+                composition,
+                delta=self.config.delta,
+                accountant=self.end_to_end_accountant,
+            ),
             stages=stages,
             composition=composition,
             private=method != "nonprivate_mixmin",
@@ -935,13 +988,18 @@ class MixturePipeline(abc.ABC):
         scored = []
         for weights in candidates:
             init = self.pretrained(weights, seed)
-            model, budget = self.finetune(init, weights_key(weights), "ft", epsilon, seed)
-            scored.append((self.utility(model, "val"), weights, model, budget))
+            model, ledger = self.finetune_with_ledger(
+                init, weights_key(weights), "ft", epsilon, seed
+            )
+            scored.append((self.utility(model, "val"), weights, model, ledger))
         pick = max if self.higher_is_better else min
         val_utility, weights, model, _ = pick(scored, key=lambda item: item[0])
-        # All m candidates were fine-tuned on the same D_ft: what ran is their sequential
-        # composition, and the selection on validation data is not accounted at all.
-        spent = accounting.compose_sequential(*(s[3] for s in scored))
+        # All m candidates were fine-tuned on the same D_ft: what ran is the m-fold composition
+        # of the fine-tuning events, accounted as one; the selection on validation data is not
+        # accounted at all.
+        spent = accounting.compose_ledgers(*(s[3] for s in scored)).budget(
+            self.config.delta, self.config.finetune.accountant
+        )
         return RunResult(
             method="random_search",
             epsilon=epsilon,

@@ -328,7 +328,7 @@ def _methods(table: dict[tuple[str, float], dict[str, float]]) -> list[str]:
 
 def method_label(method: str, table: dict[tuple[str, float], dict[str, float]]) -> str:
     """The method's name; for a reference (non-private) method, why, and what it spends when
-    that is more than the target ε (Random Search: m fine-tunings, m·ε)."""
+    that is more than the target ε (Random Search: the composition of m fine-tunings)."""
     rows = {eps: row for (m, eps), row in table.items() if m == method}
     if all(row["private"] for row in rows.values()):
         return method

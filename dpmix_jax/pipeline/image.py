@@ -13,7 +13,8 @@ the embedded digits default's 12 rules); the sensitive task is a binary label on
 7. evaluate AUC on the test split.
 The end-to-end budget is the parallel composition of stages 4 and 6 (disjoint data). With
 `composition="sequential"` nothing is split: both stages read the whole train split, at
-ε_mix = share·ε and ε_ft = (1 - share)·ε, and the budgets add up.
+ε_mix = share·ε and ε_ft = (1 - share)·ε, and the end-to-end ε is the accountant's for both
+stages' events composed (at most ε).
 
 The privacy unit (`ImagePipelineConfig.privacy_unit`) is one image by default (the paper's
 setting), or one patient: user-level DP, in which both private stages Poisson-sample patients,

@@ -21,7 +21,8 @@ stored so that a rerun skips it:
 7. evaluate perplexity on the test users' documents (packed per user), lower is better.
 The end-to-end budget is the parallel composition of stages 4 and 6 (disjoint users), or with
 `composition="sequential"` both stages run on the whole train split with ε split between them and
-the budgets add. Baselines run through the same stages (see `common.METHOD_NOTES`).
+the end-to-end ε is the accountant's for both stages' events composed. Baselines run through
+the same stages (see `common.METHOD_NOTES`).
 
 API (the task and its adapters live in `text_data` and are re-exported here):
     DomainTextTask, from_builtin, from_user_documents, from_enron, from_document_files,

@@ -1,79 +1,52 @@
-"""Hot PATE experiments (SPEC §5): diversity transfer, natural task, private generation.
+"""Settings of the Hot PATE experiments (`experiments.hot_pate`): four parts, three presets.
 
 Command:
-    python -m experiments.hot_pate --preset cpu --out DIR      # about 5 minutes on 2 CPU cores
+    python -m experiments.hot_pate --preset cpu --out DIR [--parts LIST] [--reproducible]
 
-Writes DIR/hot_pate.json, DIR/hot_pate.md (tables) and DIR/diversity_*.png, DIR/natural.png.
-`--preset tiny` is the seconds-long version the tests run. Measured with the cpu preset (2 shared,
-heavily loaded cores: diversity 67 s, tokenizer + public training 84 s, natural task 19 s,
-generation 150 s; 319 s in all):
+`--parts` is a comma-separated subset of diversity, guarantees, natural, generation (default:
+all four). The run writes DIR/hot_pate.json (with each part's run time in seconds),
+DIR/hot_pate.md (the tables of the parts that ran), DIR/diversity_n<N>.png for (a) and
+DIR/natural.png for (b); the public tokenizer and GPT-2 of (b) and (c) are stored under
+DIR/stages/ and read back by later runs with the same settings. The measured results of the cpu
+preset, with their run times, are in README.md ("Experiments", Hot PATE).
 
-(a) tunable diversity (secret set of k tokens, V = 2000, 20% private mass, r = 200):
+What the `cpu` preset runs (`get_config("cpu")`):
 
-    | n   | k  | cov@n/2 hot | cov@n/2 cold | T@20% hot | T@20% cold | gain  |
-    |-----|----|-------------|--------------|-----------|------------|-------|
-    | 512 | 1  | 0.77        | 0.80         | 464       | 380        | 1.2x  |
-    | 512 | 5  | 0.64        | 0.00         | 464       | 86         | 5.4x  |
-    | 512 | 10 | 0.66        | 0.00         | 464       | 43         | 10.8x |
-    | 512 | 50 | 0.59        | 0.00         | 464       | 11         | 42.2x |
-
-    (n = 128 is the same picture: gain 1.2x, 4.6x, 9.2x, 29.8x.)
-
-The cpu preset's public GPT-2 is now 128 wide with 4 layers, trained 1000 public steps (every
-20th public document held out for its perplexity) and stored in DIR/stages/ for later runs;
-`--parts natural,generation` runs (b) and (c) only. The numbers of (b) and (c) below are from the
-previous preset (64 wide, 2 layers, 300 steps, release at λ = 8, σ_s = 2); the README has the
-current preset's.
-
-(b) natural task on the text default: BPE (V = 512) and tiny GPT-2 trained on the public domains
-    (300 public steps; loss 5.28 nats at step 60, 4.13 at step 300); 2203 sensitive records
-    (e-mail sentences), n = 512 teachers with 4 records each, instruction "The", r = 1000
-    histograms per step for both samplers on the same 8 prefixes (mean over steps):
-
-    | T     | coverage hot | coverage cold | support hot | support cold |
-    |-------|--------------|---------------|-------------|--------------|
-    | 32    | 0.994        | 0.221         | 160.4       | 5.1          |
-    | 76.8  | 0.981        | 0.004         | 155.5       | 0.5          |
-    | 184.4 | 0.949        | 0.000         | 149.4       | 0.0          |
-    | 256   | 0.918        | 0.000         | 144.4       | 0.0          |
-
-    Max passing threshold (mean / worst step), 1, 5, 10 tries: coordinated 473/463, 512/512,
-    512/512; independent 52/31, 59/35, 61/37. The tiny model's teachers are nearly homogeneous
-    and high-entropy: coordinated histograms are near-unanimous votes for a sample of the shared
-    distribution (large support at T = n/2), independent votes spread and never reach n/8.
-
-(c) private generation (2 sequences of at most 12 tokens, a line ends at a newline token; public
-    fallback = the same GPT-2 given only the instruction; δ = 1e-5 plus 1e-6 per DPWS call):
-
-    | aggregator          | sampler     | ε     | queries | yield | public fallback |
-    |---------------------|-------------|-------|---------|-------|-----------------|
-    | DPWS (ε = 1/call)   | coordinated | 22.2  | 24      | 0.96  | 0.04            |
-    | DPWS                | independent | 12.9  | 13      | 0.15  | 0.85            |
-    | DPARGMAX Laplace    | coordinated | 22.2  | 24      | 0.88  | 0.12            |
-    | DPARGMAX Laplace    | independent | 22.2  | 24      | 0.00  | 1.00            |
-    | confident-GNMax     | coordinated | 1.08  | 24      | 0.92  | 0.08            |
-    | confident-GNMax     | independent | 1.05  | 23      | 0.00  | 1.00            |
-
-    (confident-GNMax: T = n/2, σ1 = 0.1n, σ2 = 0.05n; data-dependent ε per sequence 0.28-0.30
-    coordinated.) The ε column is the data-independent composition over every query.
+(a) diversity: synthetic teachers sharing a secret set of k tokens (20% of each teacher's mass
+    on a private token of its own, logit jitter 0.3, 1e-3 background mass), V = 2000,
+    n = 128 and 512, k = 1, 2, 5, 10, 20, 50; r = 200 histograms per (n, k) for the coordinated
+    (exact top-64 fast path) and the independent sampler: coverage and transferred support
+    against the threshold T, and the largest T with coverage >= 0.2.
+(d) guarantees: the (τ, β, γ) diversity-preservation guarantee measured on the adversarial
+    ensembles of `pate.diversity`: TWS_{τ/2, γ} with n = 64, τ = 4, 16, 32, γ = 1 and 4,
+    40,000 histograms per case; DPWS with n = 128, ε = 1, δ = 1e-6 (τ = 4ε⁻¹ln(1/δ)), 20,000
+    draws per case.
+(b) natural: a byte-level BPE (V = 512) and a GPT-2 128 wide with 4 layers trained 1000 public
+    steps of 32 x 128 tokens (learning rate 3e-3) on the public text domains (at most 300
+    documents per domain, every 20th held out for the perplexity); the sensitive records are
+    the sentences (at least 20 characters, cut to 24 tokens) of the e-mails of 20 users of the
+    text default's sensitive corpus, dealt by a keyed hash to n = 512 teachers with 4 records
+    each, prompt = records + the public instruction "The"; 8 decoding steps with r = 1000
+    histograms per step and sampler.
+(c) generation: 2 sequences of at most 12 tokens for each aggregator and sampler, with the
+    public fallback model (the same GPT-2 given only the instruction): DPWS at (ε, δ) =
+    (1, 1e-6) per call, DPARGMAX (Laplace, ε = 1 per call, threshold 0.6n) and confident-GNMax
+    (T = n/2, σ1 = 0.1n, σ2 = 0.05n). ε is reported at δ = 1e-5 (plus DPWS's per-call δ) by
+    dp-accounting's composition of every call; confident-GNMax's data-dependent ε is released
+    by smooth sensitivity with (λ, β, σ_s) chosen from public inputs only (a hypothetical 12
+    answered queries with 75% of the votes on one token).
 
 The privacy unit of (b) and (c) is one record (one sentence of one e-mail).
 
-(d) the (τ, β, γ) diversity-preservation guarantee measured on 7 adversarial ensembles (n = 64,
-    τ = 4, 16, 32, 40,000 histograms each; DPWS: n = 128, ε = 1, δ = 1e-6, τ = 55.3, 20,000
-    draws); smallest β and largest γ attained (a later run, secret randomness, 2 loaded cores):
+`paper`: (a) n = 512 and 10,000, V = 50,257, k up to 100, r = 1000 (top-128 path); (b) BPE of
+8192 tokens, GPT-2 small trained 5000 public steps of 256 tokens, records cut to 48 tokens,
+n = 512 teachers with 4 records, 32 steps, r = 1000 (top-128 path); (c) 16 sequences of at most
+32 tokens; (d) as cpu. It is sized for an accelerator.
 
-    | aggregator       | min β coordinated        | min β independent | max γ coord. | theorem     |
-    |------------------|--------------------------|-------------------|--------------|-------------|
-    | TWS_{τ/2}, γ = 1 | 0.554 (minority_low_q)   | 0.000             | 1.055        | β 0.17, γ 1 |
-    | TWS_{τ/2}, γ = 4 | 0.965 (wide_uniform)     | 0.000             | 2.998        | β 0.17, γ 4 |
-    | DPWS, γ = 1      | 0.519 (minority_low_q)   | 0.000             | 1.041        | Θ(1), γ 1   |
-
-    (γ above 1 is within 4 standard errors of the estimate.)
-
-The paper preset uses n = 512 and 10,000 teachers and V = 50,257 in (a); in (b) and (c) a BPE of
-8192 tokens, GPT-2 small trained 5000 public steps, n = 512 teachers, r = 1000 histograms per step
-(with the exact top-K fast path), 32 steps; it is sized for an accelerator.
+`tiny`: every part at toy sizes (n = 32 teachers in (a)-(c), V = 200 in (a), 20 public steps in
+(b), one sequence of 4 tokens in (c), n = 16 and 2,000 draws in (d), DPWS n = 48 and 1,000
+draws); the tests run it. All four
+parts took 32 s on 2 shared CPU cores (`--preset tiny --reproducible`, 2026-12-03).
 """
 
 from __future__ import annotations
