@@ -807,6 +807,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             on_step=lambda: bar.update(1),
         )
+        bar.total = bar.n  # samples that ended early leave steps unrun
+        bar.refresh()
     rows = zip(result.texts, result.marked_texts, result.stop_reasons, strict=True)
     with open(args.out / "samples.jsonl", "w") as samples:
         for text, marked, reason in rows:
