@@ -685,7 +685,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         epilog=_examples(
             "dpmix generate",
             "",
-            "--documents notes/ --model gpt2-folder/ --prompt 'Dear' --epsilon 2",
+            "--documents notes/ --num-teachers 64 --model gpt2-folder/ --prompt 'Dear'",
             "--num-samples 8 --method independent --seed 0 --out runs/generate_seeded",
         ),
         formatter_class=HelpFormatter,
@@ -734,7 +734,8 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="teachers (default: about 4 units each, 2 to 512)",
+        help="teachers n, at most the units; fix it without looking at the data's size "
+        "(required with --documents; the text default uses 512)",
     )
     generate.add_argument(
         "--out",
@@ -761,6 +762,11 @@ def _generate(args: argparse.Namespace) -> int:
     accounting.check_delta(args.delta, "argument --delta")
     for name in ("num_samples", "max_new_tokens"):
         accounting.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
+    if args.documents is not None and args.num_teachers is None:
+        raise ValueError(
+            "argument --num-teachers: required with --documents; choose n without looking at "
+            "the data's size (at most the number of documents or users)"
+        )
     _check_out_dir(args.out)
     with _output_lock(args.out):
         return _run_generate(args)
@@ -803,7 +809,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             prompt=args.prompt,
             key=key,
             aggregator=args.aggregator,
-            num_teachers=args.num_teachers,
+            num_teachers=512 if args.num_teachers is None else args.num_teachers,
             max_new_tokens=args.max_new_tokens,
             on_step=lambda: bar.update(1),
         )

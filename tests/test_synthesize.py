@@ -192,7 +192,9 @@ def test_bad_settings_give_one_line(model, change, message):
 )
 def test_bad_documents_give_one_line_naming_the_document(model, documents, message):
     with pytest.raises(ValueError, match=message) as err:
-        synthesize.synthesize(documents, model, epsilon=1.0, delta=1e-5, num_samples=1)
+        synthesize.synthesize(
+            documents, model, epsilon=1.0, delta=1e-5, num_samples=1, num_teachers=2
+        )
     assert "\n" not in str(err.value)
 
 
@@ -258,7 +260,7 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
     out = tmp_path / "out"
     argv = ["generate", "--documents", str(documents), "--model", str(model_folder),
             "--out", str(out), "--epsilon", "3", "--num-samples", "2", "--max-new-tokens", "3",
-            "--prompt", "Meeting", "--seed", "0", "--quiet"]  # fmt: skip
+            "--prompt", "Meeting", "--seed", "0", "--num-teachers", "4", "--quiet"]  # fmt: skip
     # .txt files carry no user while the .jsonl rows do: every document needs one, or none.
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -287,17 +289,22 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
         (["--num-samples", "0"], "argument --num-samples"),
         (["--model", "{tmp}"], "is not a GPT-2: config.json"),
         (["--documents", "{tmp}"], "holds no documents"),
+        (["--num-teachers", ""], "argument --num-teachers: required with --documents"),
     ],
 )
 def test_dpmix_generate_bad_input_is_one_line(tmp_path, capsys, extra, message):
     empty = tmp_path / "empty"
     empty.mkdir()
     extra = [e.replace("{tmp}", str(empty)) for e in extra]
+    teachers = [] if "--num-teachers" in extra else ["--num-teachers", "2"]
+    extra = [e for e in extra if e not in ("--num-teachers", "")]
     documents = [] if "--documents" in extra else ["--documents", str(tmp_path / "docs")]
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.txt").write_text("hello")
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["generate", *documents, "--out", str(tmp_path / "out"), "--quiet", *extra])
+        cli.main(
+            ["generate", *documents, *teachers, "--out", str(tmp_path / "out"), "--quiet", *extra]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dpmix: error:") and message in err and "\n" not in err

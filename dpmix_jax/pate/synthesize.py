@@ -429,11 +429,6 @@ class _CountingTeachers:
         return self._teachers(prefix)
 
 
-def _default_num_teachers(num_units: int) -> int:
-    """About 4 units per teacher, at least 2 and at most 512 teachers."""
-    return int(min(max(num_units // 4, 2), 512))
-
-
 def synthesize(
     documents: Sequence[Mapping[str, Any]],
     model: public.PublicTextModel,
@@ -441,11 +436,11 @@ def synthesize(
     epsilon: float,
     delta: float,
     num_samples: int,
+    num_teachers: int,
     method: Literal["coordinated", "independent"] = "coordinated",
     prompt: str = "",
     key: jax.Array | None = None,
     aggregator: str = "confident_gnmax",
-    num_teachers: int | None = None,
     max_new_tokens: int = 16,
     temperature: float = 1.0,
     threshold_fraction: float | None = None,
@@ -465,6 +460,9 @@ def synthesize(
             worst case (num_samples · max_new_tokens · (max_retries + 1) calls) costs at most
             (ε, δ) by the accountant; δ must be below 1/n for the n teachers.
         num_samples: texts to generate.
+        num_teachers: n, from 2 to the number of units; fix it without looking at the data
+            (not from its size): the partition depends on n, so a data-dependent n would let
+            one unit move every other unit's teacher.
         method: "coordinated" (hot: shared sampling noise) or "independent" (cold) histograms.
         prompt: public text every teacher's context and every sample starts from.
         key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
@@ -472,7 +470,6 @@ def synthesize(
             knows it (`seeded`).
         aggregator: "confident_gnmax" (default; also releases a data-dependent ε),
             "dpargmax_laplace" or "dpws".
-        num_teachers: n (default: about 4 units per teacher, 2 to 512); at most the units.
         max_new_tokens: length limit of a sample.
         temperature: the teachers' (and the fallback's) sampling temperature.
         threshold_fraction: the aggregator's threshold as a fraction of n (default per
@@ -515,7 +512,7 @@ def synthesize(
             f"the documents hold only one unit (one {unit[:-1]}); PATE needs at least 2 {unit} "
             "to form teachers"
         )
-    n = _default_num_teachers(num_units) if num_teachers is None else num_teachers
+    n = num_teachers
     if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= num_units:
         raise ValueError(
             f"num_teachers must be an integer from 2 to the {num_units} {unit}, got {n!r}"
