@@ -668,6 +668,9 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+_TEXT_DEFAULT_TEACHERS = 512  # teachers on the text default (the Hot PATE experiment's n)
+
+
 def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     """Adds `dpmix generate`: private synthetic text with Hot PATE (`pate.synthesize`)."""
     generate = commands.add_parser(
@@ -759,7 +762,13 @@ def _generate(args: argparse.Namespace) -> int:
     from dpmix_jax.privacy import accounting
 
     accounting.check_epsilon(args.epsilon, "argument --epsilon")
-    accounting.check_delta(args.delta, "argument --delta")
+    low, high = accounting.CALIBRATION_EPSILON_RANGE
+    if not low <= args.epsilon <= high:
+        raise ValueError(f"argument --epsilon must be in [{low:g}, {high:g}], got {args.epsilon:g}")
+    num_teachers = _TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers
+    accounting.check_delta_for_units(
+        args.delta, max(num_teachers, 1), unit="teachers", name="argument --delta"
+    )
     for name in ("num_samples", "max_new_tokens"):
         accounting.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
     if args.documents is not None and args.num_teachers is None:
@@ -809,7 +818,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             prompt=args.prompt,
             key=key,
             aggregator=args.aggregator,
-            num_teachers=512 if args.num_teachers is None else args.num_teachers,
+            num_teachers=_TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers,
             max_new_tokens=args.max_new_tokens,
             on_step=lambda: bar.update(1),
         )

@@ -250,6 +250,26 @@ def test_model_folders_that_are_not_gpt2_name_what_is_missing(model_folder, tmp_
         public.load_public_model(tmp_path / "absent")
 
 
+def test_text_default_model_is_trained_once_then_read_back(tmp_path):
+    settings = public.TextDefaultModel(
+        vocab_size=300, width=16, depth=1, heads=2, seq_len=32, train_steps=2, batch_size=4,
+        max_public_per_domain=20,
+    )  # fmt: skip
+    trained = public.text_default_model(tmp_path, settings)
+    (folder,) = tmp_path.iterdir()
+    assert folder.name == f"public_model-{settings.key()}"
+    again = public.text_default_model(tmp_path, settings)
+    ids = jnp.asarray([trained.tokenizer.encode("Dear team, the report")])
+    np.testing.assert_array_equal(again.model(ids), trained.model(ids))
+    assert again.model.config.n_embd == 16 and again.context_length == 32
+
+
+def test_text_default_documents_are_its_sentences_cut_to_max_chars():
+    documents = synthesize.text_default_documents(min_chars=20, max_chars=50)
+    assert len(documents) > 1000
+    assert all(20 <= len(d["text"]) <= 50 and "user" not in d for d in documents)
+
+
 def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_path, capsys):
     documents = tmp_path / "docs"
     documents.mkdir()
@@ -287,6 +307,8 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
         (["--epsilon", "0"], "argument --epsilon must be a finite number > 0"),
         (["--epsilon", "-2"], "argument --epsilon must be a finite number > 0"),
         (["--num-samples", "0"], "argument --num-samples"),
+        (["--epsilon", "500"], "argument --epsilon must be in [0.01, 100]"),
+        (["--delta", "0.6"], "argument --delta = 0.6 >= 1/n"),
         (["--model", "{tmp}"], "is not a GPT-2: config.json"),
         (["--documents", "{tmp}"], "holds no documents"),
         (["--num-teachers", ""], "argument --num-teachers: required with --documents"),

@@ -98,10 +98,13 @@ def _tokenizer_eos(folder: pathlib.Path) -> str:
 
 def _folder_tokenizer(folder: pathlib.Path) -> TextTokenizer:
     eos = _tokenizer_eos(folder)
-    if (folder / "tokenizer.json").is_file():
-        return TextTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")), eos)
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
-        return load_bpe_tokenizer(folder, eos_token=eos)
+    try:
+        if (folder / "tokenizer.json").is_file():
+            return TextTokenizer(Tokenizer.from_file(str(folder / "tokenizer.json")), eos)
+        if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            return load_bpe_tokenizer(folder, eos_token=eos)
+    except Exception as err:  # `tokenizers` raises its own exception type for a corrupt file
+        raise ValueError(f"model folder {folder}: cannot read its tokenizer ({err})") from None
     raise ValueError(
         f"model folder {folder} has no tokenizer: tokenizer.json, or vocab.json and merges.txt, "
         "is missing"
