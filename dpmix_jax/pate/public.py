@@ -27,6 +27,7 @@ import os
 import pathlib
 import re
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,9 @@ from flax import nnx
 from tokenizers import Tokenizer
 
 from dpmix_jax.data.tokenizer import EOS_TOKEN, TextTokenizer, load_bpe_tokenizer
+
+if TYPE_CHECKING:
+    from dpmix_jax.models.gpt2 import GPT2, GPT2Config
 
 __all__ = [
     "PublicTextModel",
@@ -65,7 +69,7 @@ class PublicTextModel:
         source: where it came from (a folder, or the text default's settings), for reports.
     """
 
-    model: object
+    model: GPT2
     tokenizer: TextTokenizer
     source: str
 
@@ -124,10 +128,13 @@ def load_public_model(folder: str | os.PathLike) -> PublicTextModel:
     if not path.is_dir():
         raise ValueError(f"model folder {path} does not exist or is not a folder")
     if (path / _STORED_CONFIG).is_file():
-        fields = json.loads((path / _STORED_CONFIG).read_text())
+        try:
+            config = GPT2Config(**json.loads((path / _STORED_CONFIG).read_text()))
+        except (json.JSONDecodeError, TypeError) as err:
+            raise ValueError(f"{path / _STORED_CONFIG} is not a GPT-2 config ({err})") from None
         if not (path / "params.npz").is_file():
             raise ValueError(f"model folder {path} has {_STORED_CONFIG} but no params.npz")
-        model = GPT2(GPT2Config(**fields), rngs=nnx.Rngs(0))
+        model = GPT2(config, rngs=nnx.Rngs(0))
         graphdef, state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(state)
         with np.load(path / "params.npz") as stored:
@@ -189,7 +196,7 @@ def save_public_model(public: PublicTextModel, folder: str | os.PathLike) -> pat
 # --------------------------------------------------------------------------------------------
 
 
-def make_public_model(model, context: Sequence[int]) -> Callable[[Sequence[int]], jax.Array]:
+def make_public_model(model: GPT2, context: Sequence[int]) -> Callable[[Sequence[int]], jax.Array]:
     """The public fallback: the same GPT-2 given only the public `context` (no private records)."""
     graphdef, state = nnx.split(model)
     context = [int(t) for t in context]
@@ -245,7 +252,7 @@ def split_public(
 
 
 def heldout_perplexity(
-    model, tokenizer: TextTokenizer, documents: Sequence[str], seq_len: int
+    model: GPT2, tokenizer: TextTokenizer, documents: Sequence[str], seq_len: int
 ) -> float:
     """Per-token perplexity of `model` on `documents` (each led by EOS, concatenated, cut into
     non-overlapping rows of `seq_len` tokens; every next token of a row is scored)."""
@@ -273,7 +280,7 @@ def heldout_perplexity(
 
 
 def train_public_gpt2(
-    model_config,
+    model_config: GPT2Config,
     tokenizer: TextTokenizer,
     documents: Sequence[Sequence[str]],
     *,
@@ -282,7 +289,7 @@ def train_public_gpt2(
     learning_rate: float,
     seed: int,
     on_log: Callable[[int, float], None] | None = None,
-) -> tuple[object, list[tuple[int, float]]]:
+) -> tuple[GPT2, list[tuple[int, float]]]:
     """Trains a GPT-2 of `model_config` on public documents (one source per domain, uniform).
 
     Documents are packed into rows of `n_positions` tokens (`pretrain.PackedMixture`) and trained
