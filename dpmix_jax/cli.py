@@ -7,6 +7,7 @@ dpmix audit [arguments ...]          (= dpmix run audit ...)
 dpmix bench [arguments ...]          (= dpmix run bench_grads ...)
 dpmix experiments                    (lists the experiments)
 dpmix report [--add NAME=RUN_DIR ...] [--check]   (README tables from docs/results/*.json)
+dpmix generate [--documents DIR] [--model DIR] [--epsilon 1] [--out DIR] ...   (Hot PATE text)
 """
 
 from __future__ import annotations
@@ -463,6 +464,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--check", action="store_true", help="only compare; exit 1 if a table is out of date"
     )
+    _add_generate_command(commands)
     return parser
 
 
@@ -670,6 +672,198 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+_TEXT_DEFAULT_TEACHERS = 512  # teachers on the text default (the Hot PATE experiment's n)
+
+
+def _add_generate_command(commands: argparse._SubParsersAction) -> None:
+    """Adds `dpmix generate`: private synthetic text with Hot PATE (`pate.synthesize`)."""
+    generate = commands.add_parser(
+        "generate",
+        help="private synthetic text from a folder of documents with Hot PATE",
+        description=textwrap.fill(
+            "Splits the documents among in-context teachers over a public GPT-2 (a unit is a "
+            "document, or a user when the records carry a user field), calibrates the "
+            "aggregator's noise to --epsilon at --delta for the longest possible run, and "
+            "writes the samples (samples.jsonl) and the ε the accountant gives for the calls "
+            "that ran (report.json) to --out. Without --documents and --model it runs on the "
+            "embedded text default: its e-mail sentences, and a small GPT-2 trained on its "
+            "public domains (stored under --out/stages and read back by later runs)."
+        ),
+        epilog=_examples(
+            "dpmix generate",
+            "",
+            "--documents notes/ --num-teachers 64 --model gpt2-folder/ --prompt 'Dear'",
+            "--num-samples 8 --method independent --seed 0 --out runs/generate_seeded",
+        ),
+        formatter_class=HelpFormatter,
+    )
+    generate.add_argument(
+        "--documents",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help=".txt (one document each), .jsonl and .parquet files (a text field, optional "
+        "user); default: the embedded text default's e-mail sentences",
+    )
+    generate.add_argument(
+        "--model",
+        type=pathlib.Path,
+        default=None,
+        metavar="DIR",
+        help="a transformers GPT-2 folder (config.json, weights, tokenizer) or a model stored by "
+        "dpmix; default: the text default's public GPT-2, trained on first use",
+    )
+    generate.add_argument("--prompt", default="", help="public text every sample starts from")
+    generate.add_argument(
+        "--epsilon", type=float, default=1.0, help="total ε of the run (data independent)"
+    )
+    generate.add_argument(
+        "--delta", type=float, default=1e-5, help="total δ; must be below 1/n for n teachers"
+    )
+    generate.add_argument("--num-samples", type=int, default=4, metavar="N", help="texts")
+    generate.add_argument(
+        "--method",
+        choices=("coordinated", "independent"),
+        default="coordinated",
+        help="vote histograms: coordinated (hot, shared sampling noise) or independent (cold)",
+    )
+    generate.add_argument(
+        "--aggregator",
+        choices=("confident_gnmax", "dpargmax_laplace", "dpws"),
+        default="confident_gnmax",
+        help="DP aggregator of the votes (confident_gnmax also releases a data-dependent ε)",
+    )
+    generate.add_argument(
+        "--max-new-tokens", type=int, default=16, metavar="T", help="tokens per sample at most"
+    )
+    generate.add_argument(
+        "--num-teachers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="teachers n, at most the units; fix it without looking at the data's size "
+        "(required with --documents; the text default uses 512)",
+    )
+    generate.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/generate"),
+        metavar="DIR",
+        help="output folder: samples.jsonl, report.json, stages/ (the default model)",
+    )
+    generate.add_argument(
+        "--seed",
+        type=_seed,
+        default=None,
+        help="seed the partition, the samplers and the noise (reproducible; not private against "
+        "anyone who knows it); default: secret randomness from the operating system",
+    )
+    generate.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """`dpmix generate`: checks the arguments, loads documents and model, writes the outputs."""
+    from dpmix_jax.privacy import accounting
+
+    accounting.check_epsilon(args.epsilon, "argument --epsilon")
+    low, high = accounting.CALIBRATION_EPSILON_RANGE
+    if not low <= args.epsilon <= high:
+        raise ValueError(f"argument --epsilon must be in [{low:g}, {high:g}], got {args.epsilon:g}")
+    num_teachers = _TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers
+    accounting.check_delta_for_units(
+        args.delta, max(num_teachers, 1), unit="teachers", name="argument --delta"
+    )
+    for name in ("num_samples", "max_new_tokens"):
+        accounting.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
+    if args.documents is not None and args.num_teachers is None:
+        raise ValueError(
+            "argument --num-teachers: required with --documents; choose n without looking at "
+            "the data's size (at most the number of documents or users)"
+        )
+    _check_out_dir(args.out)
+    with _output_lock(args.out):
+        return _run_generate(args)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from dpmix_jax.pate import public, synthesize
+    from dpmix_jax.privacy import randomness
+
+    start = time.time()
+
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(f"[generate] {message}", file=sys.stderr, flush=True)
+
+    if args.documents is None:
+        documents, documents_source = synthesize.text_default_documents(), "text default"
+    else:
+        documents, documents_source = synthesize.load_documents(args.documents), args.documents
+    log(f"{len(documents)} documents from {documents_source}")
+    if args.model is None:
+        log("public model: the text default's (trained on first use, then read back)")
+        model = public.text_default_model(args.out / "stages", log=log)
+    else:
+        model = public.load_public_model(args.model)
+    key = None if args.seed is None else randomness.prng_key(args.seed)
+    bar = tqdm(total=args.num_samples * args.max_new_tokens, unit="tok", disable=args.quiet)
+    with bar:
+        result = synthesize.synthesize(
+            documents,
+            model,
+            epsilon=args.epsilon,
+            delta=args.delta,
+            num_samples=args.num_samples,
+            method=args.method,
+            prompt=args.prompt,
+            key=key,
+            aggregator=args.aggregator,
+            num_teachers=_TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers,
+            max_new_tokens=args.max_new_tokens,
+            on_step=lambda: bar.update(1),
+        )
+        bar.total = bar.n  # samples that ended early leave steps unrun
+        bar.refresh()
+    rows = zip(result.texts, result.marked_texts, result.stop_reasons, strict=True)
+    with open(args.out / "samples.jsonl", "w") as samples:
+        for text, marked, reason in rows:
+            samples.write(json.dumps({"text": text, "marked_text": marked, "stop_reason": reason}))
+            samples.write("\n")
+    settings = {
+        "documents": str(documents_source),
+        "model": model.source,
+        "prompt": args.prompt,
+        "epsilon": args.epsilon,
+        "delta": args.delta,
+        "num_samples": args.num_samples,
+        "method": args.method,
+        "aggregator": args.aggregator,
+        "max_new_tokens": args.max_new_tokens,
+        "num_teachers": args.num_teachers,
+        "seed": args.seed,
+    }
+    report = {"settings": settings, **result.report(), "seconds": time.time() - start}
+    (args.out / "report.json").write_text(json.dumps(report, indent=1))
+    for marked in result.marked_texts:
+        print(repr(marked))
+    dependent = (
+        ""
+        if result.data_dependent_epsilon is None
+        else f"; data-dependent ε released privately: {result.data_dependent_epsilon:.3g}"
+    )
+    print(
+        f"ε = {result.epsilon:.3g} at δ = {result.delta:.2g} spent (target {args.epsilon:g}; "
+        f"{result.num_queries} aggregator calls over {result.num_teachers} teachers of "
+        f"{result.num_units} {result.unit}){dependent}; wrote {args.out}/samples.jsonl and "
+        f"{args.out}/report.json"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line `argv` (default: `sys.argv[1:]`); returns the exit status.
 
@@ -772,6 +966,8 @@ def _command(args: argparse.Namespace) -> int:
         return _demo(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "generate":
+        return _generate(args)
     if args.command == "experiments":
         width = max(map(len, EXPERIMENTS))
         for name, text in EXPERIMENTS.items():

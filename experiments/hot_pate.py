@@ -31,7 +31,6 @@ import json
 import math
 import os
 import pathlib
-import re
 import time
 from collections.abc import Sequence
 
@@ -47,11 +46,18 @@ from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
 from dpmix_jax.pate import diversity, generation, metrics, samplers, smooth_sensitivity
 from dpmix_jax.pate.accounting import PateLedger
+from dpmix_jax.pate.public import (
+    heldout_perplexity,
+    make_public_model,
+    marked_text,
+    newline_tokens,
+    split_public,
+    split_sentences,
+    train_public_gpt2,
+)
 from dpmix_jax.pate.teachers import InContextTeachers, build_prompts, partition_records
 from dpmix_jax.pipeline.common import fingerprint
 from dpmix_jax.privacy import SEEDED_NOTE, randomness
-from dpmix_jax.train import MetricLogger, TrainConfig, Trainer, fit, losses
-from dpmix_jax.train.pretrain import PackedMixture
 from experiments.configs.hot_pate import HotPateConfig, NaturalConfig, get_config
 
 matplotlib.use("Agg")
@@ -235,9 +241,6 @@ def run_guarantees(config: HotPateConfig, key) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n+")
-
-
 @dataclasses.dataclass(frozen=True)
 class NaturalTask:
     """The natural task's pieces: public tokenizer and model, the teachers, the public prompt.
@@ -277,23 +280,8 @@ def sensitive_records(
         The result is sensitive; one record is one sentence of one document. Which sentences
         exist depends on the data, but the partition among teachers depends only on their count.
     """
-    sentences = (s.strip() for text in texts for s in _SENTENCE_BREAK.split(text))
-    kept = [s for s in sentences if len(s) >= min_chars]
+    kept = split_sentences(texts, min_chars=min_chars)
     return [ids[:max_tokens] for ids in tokenizer.encode_batch(kept)]
-
-
-def newline_tokens(tokenizer: TextTokenizer) -> tuple[int, ...]:
-    """Ids of every vocabulary token whose text contains a newline."""
-    return tuple(t for t in range(tokenizer.vocab_size) if "\n" in tokenizer.decode([t]))
-
-
-def split_public(
-    documents: Sequence[Sequence[str]], every: int
-) -> tuple[list[list[str]], list[list[str]]]:
-    """Per domain: the training documents and the held-out ones (every `every`-th document)."""
-    train = [[d for i, d in enumerate(docs) if i % every != every - 1] for docs in documents]
-    heldout = [[d for i, d in enumerate(docs) if i % every == every - 1] for docs in documents]
-    return train, heldout
 
 
 def _gpt2_config(config: NaturalConfig, vocab_size: int) -> GPT2Config:
@@ -306,73 +294,26 @@ def _gpt2_config(config: NaturalConfig, vocab_size: int) -> GPT2Config:
     )
 
 
-def heldout_perplexity(
-    model: GPT2, tokenizer: TextTokenizer, documents: Sequence[str], seq_len: int
-) -> float:
-    """Per-token perplexity of `model` on `documents` (each led by EOS, concatenated, cut into
-    non-overlapping rows of `seq_len` tokens; every next token of a row is scored)."""
-    stream = np.concatenate(
-        [
-            np.asarray([tokenizer.eos_id, *ids], np.int32)
-            for ids in tokenizer.encode_batch(list(documents))
-        ]
-    )
-    rows = stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len)
-    if not len(rows):
-        raise ValueError(f"held-out documents hold fewer than seq_len = {seq_len} tokens.")
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def nll_sum(state, ids):
-        logits = nnx.merge(graphdef, state)(ids)[:, :-1]
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
-
-    total = sum(
-        float(nll_sum(state, jnp.asarray(rows[s : s + 32]))) for s in range(0, len(rows), 32)
-    )
-    return float(np.exp(total / (rows.shape[0] * (seq_len - 1))))
-
-
 def train_public_model(
     config: NaturalConfig, tokenizer: TextTokenizer, documents: Sequence[Sequence[str]], seed: int
 ) -> tuple[GPT2, list[tuple[int, float]]]:
-    """Trains a GPT-2 on public documents (one source per domain, uniform mixture).
-
-    Documents are packed into rows of `seq_len` tokens (`pretrain.PackedMixture`) and trained with
-    the engine's public steps on the next-token loss. Returns the model and its logged losses.
+    """Trains a GPT-2 on public documents (one source per domain, uniform mixture) with
+    `pate.public.train_public_gpt2`. Returns the model and its logged losses.
     """
-    model = GPT2(_gpt2_config(config, tokenizer.vocab_size), rngs=nnx.Rngs(seed))
-    sources = [
-        [np.asarray(ids, np.int32) for ids in tokenizer.encode_batch(list(domain))]
-        for domain in documents
-    ]
-    packed = PackedMixture(
-        sources,
-        np.full(len(sources), 1.0 / len(sources)),
-        seq_len=config.seq_len,
-        batch_size=config.batch_size,
-        eos_id=tokenizer.eos_id,
-    )
-    train_config = TrainConfig(
-        steps=config.train_steps,
+
+    def report(step: int, loss: float) -> None:
+        _log(f"(b) public training step {step}/{config.train_steps}: loss {loss:.3f}")
+
+    return train_public_gpt2(
+        _gpt2_config(config, tokenizer.vocab_size),
+        tokenizer,
+        documents,
+        train_steps=config.train_steps,
         batch_size=config.batch_size,
         learning_rate=config.learning_rate,
-        log_every=max(config.train_steps // 5, 1),
-        progress=False,
+        seed=seed,
+        on_log=report,
     )
-    trainer = Trainer(train_config, model, losses.next_token_nll(mask_key=None))
-    logger = MetricLogger()
-
-    def report(done: int, until: int) -> None:
-        latest = logger.history[-1] if logger.history else None
-        if latest is not None and latest["step"] == done:
-            _log(f"(b) public training step {done}/{until}: loss {latest['train_loss']:.3f}")
-
-    result = fit(
-        trainer, packed.batch, rng=np.random.default_rng(seed), logger=logger, on_step=report
-    )
-    return result.model, [(r["step"], r["train_loss"]) for r in logger.history]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -540,18 +481,6 @@ def build_natural_task(
     )
 
 
-def make_public_model(model: GPT2, context: Sequence[int]):
-    """The public fallback: the same GPT-2 given only the public `context` (no private records)."""
-    graphdef, state = nnx.split(model)
-    context = [int(t) for t in context]
-
-    @jax.jit
-    def last_logits(state, ids):
-        return nnx.merge(graphdef, state)(ids)[0, -1]
-
-    return lambda prefix: last_logits(state, jnp.asarray([[*context, *prefix]], jnp.int32))
-
-
 def run_natural(config: HotPateConfig, task: NaturalTask, key) -> dict:
     """Coverage and support vs T for both samplers on the same prefixes, step by step.
 
@@ -629,20 +558,6 @@ def run_natural(config: HotPateConfig, task: NaturalTask, key) -> dict:
 # --------------------------------------------------------------------------------------------
 # (c) Private generation.
 # --------------------------------------------------------------------------------------------
-
-
-def marked_text(tokenizer: TextTokenizer, tokens: Sequence[int], sources: Sequence[str]) -> str:
-    """The decoded text with every run of public-fallback tokens in square brackets."""
-    pieces, run, run_source = [], [], None
-    for token, source in zip([*tokens, None], [*sources, None], strict=True):
-        if source != run_source and run:
-            text = tokenizer.decode(run)
-            pieces.append(f"[{text}]" if run_source == "public" else text)
-            run = []
-        run_source = source
-        if token is not None:
-            run.append(int(token))
-    return "".join(pieces)
 
 
 def run_generation(config: HotPateConfig, task: NaturalTask, key) -> dict:

@@ -4,8 +4,9 @@ Modules: `samplers` (coordinated / independent vote histograms), `aggregators` (
 their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent RDP),
 `smooth_sensitivity` (private release of the data-dependent ε), `diversity` (the (τ, β, γ)
 diversity-preservation guarantee measured), `metrics` (coverage, support, yield, margins),
-`generation` (private decoding), `teachers` (in-context GPT-2 teachers; imported on demand since
-it loads the model code).
+`generation` (private decoding), `teachers` (in-context GPT-2 teachers), `public` (public GPT-2
+models: load, store, train, fallback) and `synthesize` (private synthetic text from a folder of
+documents); the last three are imported on demand since they load the model code.
 """
 
 from dpmix_jax.pate import (

@@ -1,0 +1,670 @@
+"""Private synthetic text: Hot PATE generation from a folder of documents and a public GPT-2.
+
+`synthesize(documents, model, epsilon=..., delta=..., num_samples=...)` splits the sensitive
+documents among n in-context teachers, calibrates the aggregator's noise so that the worst case
+(every sample running all its `max_new_tokens` steps) costs at most the target ε at δ, decodes
+`num_samples` texts with `generation.generate` (public-model fallback on a failed step), and
+returns a `SynthesisResult` whose ε is the accountant's for the calls that actually ran.
+
+The privacy unit is a document, or a user when the records carry a `user` field: units go to
+teachers by a keyed hash of their id (`privacy.assign_parts`), so one unit's documents sit in one
+teacher's prompt and adding or removing a unit changes one teacher's vote per step.
+
+`load_documents(folder)` reads `.txt` (one document per file), `.jsonl` (a `text` field, optional
+`user`) and `.parquet` files (the same columns; needs pyarrow).
+
+Example:
+    >>> docs = [{"text": f"note {i} says hello", "user": f"u{i % 6}"} for i in range(12)]
+    >>> sum(len(p) for p in teacher_parts(docs, 3, key=b"k"))
+    12
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import dp_accounting
+import jax
+import numpy as np
+
+from dpmix_jax.pate import accounting, generation, public, smooth_sensitivity
+from dpmix_jax.privacy import SEEDED_NOTE
+from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy.parts import assign_parts
+
+__all__ = [
+    "AGGREGATORS",
+    "DOCUMENT_SUFFIXES",
+    "SynthesisResult",
+    "calibrated_config",
+    "load_documents",
+    "synthesize",
+    "teacher_parts",
+    "text_default_documents",
+]
+
+AGGREGATORS = ("confident_gnmax", "dpargmax_laplace", "dpws")
+DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# Default thresholds as fractions of the n teachers (the Hot PATE experiment's).
+_THRESHOLDS = {"confident_gnmax": 0.5, "dpargmax_laplace": 0.6, "dpws": 0.0}
+_GNMAX_SIGMA_RATIO = 2.0  # σ1 = 2·σ2: the threshold check is noisier than the argmax
+_RELEASE_AGREEMENT = 0.75
+
+
+# --------------------------------------------------------------------------------------------
+# Documents.
+# --------------------------------------------------------------------------------------------
+
+
+def _where(record: Mapping[str, Any], index: int) -> str:
+    source = record.get("source") if isinstance(record, Mapping) else None
+    return f"document {index}" + (f" ({source})" if source else "")
+
+
+def _check_documents(documents: Sequence[Mapping[str, Any]]) -> tuple[list[str], list, str]:
+    """(texts, unit ids, unit name): the unit of each document is its user when the records
+    carry `user`, else its text (equal texts are one unit)."""
+    if isinstance(documents, str | bytes | Mapping) or not isinstance(documents, Sequence):
+        raise ValueError(
+            f"documents must be a list of records {{'text': ..., 'user': ...}}, got "
+            f"{type(documents).__name__}"
+        )
+    if not documents:
+        raise ValueError("documents is empty: need documents from at least 2 units")
+    with_user = [isinstance(r, Mapping) and "user" in r for r in documents]
+    texts, ids = [], []
+    for index, record in enumerate(documents):
+        if not isinstance(record, Mapping):
+            raise ValueError(
+                f"document {index} is a {type(record).__name__}; each document is a record "
+                "{'text': str, 'user': optional id}"
+            )
+        text = record.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{_where(record, index)} has no text (a non-empty string)")
+        if any(with_user) and not with_user[index]:
+            first = with_user.index(True)
+            raise ValueError(
+                f"{_where(record, index)} has no user but {_where(documents[first], first)} "
+                "has one; give every document a user, or none"
+            )
+        user = record.get("user")
+        if any(with_user) and (
+            isinstance(user, bool) or not isinstance(user, str | int | np.integer)
+        ):
+            raise ValueError(
+                f"{_where(record, index)}: user must be a string or an integer, got {user!r}"
+            )
+        texts.append(text)
+        ids.append(str(user) if any(with_user) else text)
+    return texts, ids, "users" if any(with_user) else "documents"
+
+
+def teacher_parts(
+    documents: Sequence[Mapping[str, Any]],
+    num_teachers: int,
+    *,
+    key: bytes | int | None = None,
+) -> list[np.ndarray]:
+    """Each teacher's document positions (ascending): unit u (a user, or a document) goes to
+    teacher `assign_parts(unit ids, [1/n] * n, key=key)[u]`.
+
+    Privacy:
+        A unit's teacher depends on its own id and the key alone (secret when None), so all its
+        documents sit with one teacher and adding or removing it moves no other unit.
+    """
+    _, ids, _ = _check_documents(documents)
+    if isinstance(num_teachers, bool) or not isinstance(num_teachers, int) or num_teachers < 2:
+        raise ValueError(f"num_teachers must be an integer >= 2, got {num_teachers!r}")
+    parts = assign_parts(ids, [1.0 / num_teachers] * num_teachers, key=key)
+    return [np.flatnonzero(parts == teacher) for teacher in range(num_teachers)]
+
+
+def _read_text_file(path: pathlib.Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: byte {err.start} (0x{data[err.start]:02x}) is not UTF-8; save the file as "
+            "UTF-8 text"
+        ) from None
+
+
+def _jsonl_records(path: pathlib.Path) -> list[dict]:
+    records = []
+    for number, line in enumerate(_read_text_file(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON object ({err.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ValueError(f"{path}:{number}: need a JSON object with a string field 'text'")
+        records.append(_record(row, f"{path.name}:{number}"))
+    return records
+
+
+def _parquet_records(path: pathlib.Path) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(
+            f"{path}: reading .parquet needs pyarrow (pip install 'dpmix_jax[parquet]')"
+        ) from None
+    try:
+        table = pq.read_table(path)
+    except Exception as err:  # pyarrow raises its own error types for a corrupt file
+        raise ValueError(f"{path}: not a readable parquet file ({err})") from None
+    if "text" not in table.column_names:
+        raise ValueError(f"{path}: no 'text' column (columns: {', '.join(table.column_names)})")
+    columns = ["text", "user"] if "user" in table.column_names else ["text"]
+    rows = table.select(columns).to_pylist()
+    records = []
+    for number, row in enumerate(rows):
+        if not isinstance(row["text"], str):
+            raise ValueError(f"{path}: row {number} has no text (a string)")
+        records.append(_record(row, f"{path.name}:row {number}"))
+    return records
+
+
+def _record(row: Mapping[str, Any], source: str) -> dict:
+    record = {"text": row["text"], "source": source}
+    if row.get("user") is not None:
+        record["user"] = row["user"]
+    return record
+
+
+def load_documents(folder: str | os.PathLike) -> list[dict]:
+    """The documents of every `.txt`, `.jsonl` and `.parquet` file under `folder` (sorted paths).
+
+    A `.txt` file is one document; a `.jsonl` line or a `.parquet` row is one, with a `text`
+    field and an optional `user`. Each record also gets `source` (file and line) for messages.
+
+    Raises:
+        ValueError: one line naming the folder or file: not a folder, no documents, another file
+            type, bytes that are not UTF-8, a line without `text`.
+
+    Privacy:
+        The result is sensitive.
+    """
+    root = pathlib.Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"documents folder {root} does not exist or is not a folder")
+    files = sorted(
+        p for p in root.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )  # fmt: skip
+    records: list[dict] = []
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            records.append(_record({"text": _read_text_file(path)}, path.name))
+        elif suffix == ".jsonl":
+            records.extend(_jsonl_records(path))
+        elif suffix == ".parquet":
+            records.extend(_parquet_records(path))
+        else:
+            raise ValueError(
+                f"{path}: documents are {', '.join(DOCUMENT_SUFFIXES)} files; move other files "
+                "out of the documents folder"
+            )
+    if not records:
+        raise ValueError(
+            f"documents folder {root} holds no documents ({', '.join(DOCUMENT_SUFFIXES)} files)"
+        )
+    return records
+
+
+def text_default_documents(
+    *, min_chars: int = 20, max_chars: int = 120, seed: int = 0
+) -> list[dict]:
+    """The embedded text default's sensitive e-mails cut into sentences of at least `min_chars`
+    characters, each cut to its first `max_chars` characters: one document each (the Hot PATE
+    experiment's records, which it cuts to 24 tokens).
+
+    Privacy:
+        These play the sensitive data; the unit is one sentence of one e-mail.
+    """
+    from dpmix_jax.data.builtin import load_text_mixture_task
+
+    task = load_text_mixture_task(seed=seed, num_users=20, max_public_per_domain=300)
+    sentences = public.split_sentences(task.sensitive.texts, min_chars=min_chars)
+    return [{"text": s[:max_chars], "source": "text default"} for s in sentences]
+
+
+# --------------------------------------------------------------------------------------------
+# Calibration.
+# --------------------------------------------------------------------------------------------
+
+
+def _repeated(event, count: int):
+    return event if count == 1 else dp_accounting.SelfComposedDpEvent(event, count)
+
+
+def _noise_free_or(make_event: Callable[[float], Any]) -> Callable[[float], Any]:
+    """`make_event` for a scale > 0; a noise-free Gaussian (ε = ∞) at 0, where the calibration's
+    search starts."""
+    return lambda scale: make_event(scale) if scale > 0 else dp_accounting.GaussianDpEvent(0.0)
+
+
+def calibrated_config(
+    aggregator: str,
+    *,
+    epsilon: float,
+    delta: float,
+    num_calls: int,
+    num_teachers: int,
+    threshold_fraction: float | None = None,
+    **settings,
+) -> generation.GenerationConfig:
+    """A `GenerationConfig` whose `num_calls` aggregator calls cost at most (ε, δ).
+
+    The data-independent composition (PLD, dp-accounting) of `num_calls` calls is calibrated to
+    `epsilon` at the report δ: confident-GNMax's σ2 (σ1 = 2σ2), or the per-call ε of DPARGMAX
+    and DPWS. DPWS spends half of δ on its per-call δ (δ/(2·num_calls) each) and reports at the
+    other half. Thresholds are `threshold_fraction` · n (default 0.5 for confident-GNMax, 0.6
+    for DPARGMAX, none beyond DPWS's own for DPWS). `settings` go to `GenerationConfig`.
+
+    Privacy:
+        Reads no sensitive data: every choice depends on public settings only.
+    """
+    if aggregator not in AGGREGATORS:
+        raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
+    epsilon = privacy.check_epsilon(epsilon)
+    delta = privacy.check_delta(delta)
+    low, high = privacy.CALIBRATION_EPSILON_RANGE
+    if not low <= epsilon <= high:
+        raise ValueError(f"epsilon must be in [{low:g}, {high:g}], got {epsilon!r}")
+    num_calls = privacy.check_steps(num_calls, "num_calls")
+    fraction = _THRESHOLDS[aggregator] if threshold_fraction is None else threshold_fraction
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"threshold_fraction must be in [0, 1], got {fraction!r}")
+    threshold = fraction * num_teachers
+    if aggregator == "confident_gnmax":
+        sigma2 = privacy.calibrate(
+            _noise_free_or(
+                lambda s: _repeated(
+                    accounting.confident_gnmax_event(_GNMAX_SIGMA_RATIO * s, s), num_calls
+                )
+            ),
+            target_epsilon=epsilon,
+            delta=delta,
+        )
+        return generation.GenerationConfig(
+            aggregator="confident_gnmax",
+            threshold=threshold,
+            sigma1=_GNMAX_SIGMA_RATIO * sigma2,
+            sigma2=sigma2,
+            report_delta=delta,
+            **settings,
+        )
+    report_delta = delta / 2 if aggregator == "dpws" else delta
+    scale = privacy.calibrate(
+        _noise_free_or(lambda s: _repeated(accounting.dpargmax_laplace_event(1.0 / s), num_calls)),
+        target_epsilon=epsilon,
+        delta=report_delta,
+    )
+    per_call = 1.0 / scale
+    # 1/(1/scale) may round below scale; step down until the charged event is within target.
+    while (
+        accounting.epsilon_of_steps(
+            accounting.dpargmax_laplace_event(per_call), steps=num_calls, delta=report_delta
+        )
+        > epsilon
+    ):
+        per_call = math.nextafter(per_call, 0.0)
+    if aggregator == "dpargmax_laplace":
+        return generation.GenerationConfig(
+            aggregator="dpargmax_laplace",
+            epsilon=per_call,
+            threshold=threshold,
+            report_delta=delta,
+            **settings,
+        )
+    return generation.GenerationConfig(
+        aggregator="dpws",
+        epsilon=per_call,
+        delta=delta / (2 * num_calls),
+        threshold=threshold,
+        report_delta=report_delta,
+        **settings,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Generation.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SynthesisResult:
+    """Synthetic texts and what they cost.
+
+    Attributes:
+        texts: per sample, the prompt followed by the generated text.
+        marked_texts: the same with the public fallback's tokens in [ ].
+        stop_reasons: per sample, `GenerationResult.stop_reason`.
+        epsilon: the accountant's data-independent ε of every aggregator call that ran.
+        delta: its δ (the report δ plus DPWS's per-call δ of the calls that ran).
+        target_epsilon, target_delta: the budget the noise was calibrated to.
+        planned_epsilon: the data-independent ε had every sample run all its steps (<= target).
+        data_dependent_epsilon: confident-GNMax only: the samples' data-dependent ε, each
+            released privately by smooth sensitivity (`released_epsilons`, release cost
+            included) at the common order λ, composed: Σ (released ε_i − ln(1/δ)/(λ−1)) +
+            ln(1/δ)/(λ−1). None for the other aggregators.
+        released_epsilons: the per-sample releases (None for the other aggregators).
+        aggregator, method: the aggregator and the sampler ("coordinated" or "independent").
+        num_teachers, num_units, unit: n, the sensitive units behind them, and their kind
+            ("documents" or "users").
+        documents_in_prompts: documents that fit the teachers' prompts (the others were not read).
+        tokens_generated: tokens in all samples (private plus fallback).
+        steps_with_output: steps whose token the aggregator released.
+        steps_without_output: steps where every try failed (fallback token, or the end).
+        num_queries: aggregator calls (steps plus retries), all charged.
+        teacher_forward_passes: ensemble queries times n (each teacher ran once per step).
+        mechanism: the calibrated parameters (σ1, σ2, T, per-call ε / δ, release λ, β, σ_s).
+        seeded: True when the caller gave the key (`privacy.SEEDED_NOTE`).
+    """
+
+    texts: tuple[str, ...]
+    marked_texts: tuple[str, ...]
+    stop_reasons: tuple[str, ...]
+    epsilon: float
+    delta: float
+    target_epsilon: float
+    target_delta: float
+    planned_epsilon: float
+    data_dependent_epsilon: float | None
+    released_epsilons: tuple[float, ...] | None
+    aggregator: str
+    method: str
+    num_teachers: int
+    num_units: int
+    unit: str
+    documents_in_prompts: int
+    tokens_generated: int
+    steps_with_output: int
+    steps_without_output: int
+    num_queries: int
+    teacher_forward_passes: int
+    mechanism: dict
+    seeded: bool
+
+    def report(self) -> dict:
+        """Everything but the texts, JSON-serialisable, with the seeded note when seeded."""
+        fields = dataclasses.asdict(self)
+        for name in ("texts", "marked_texts", "stop_reasons"):
+            fields.pop(name)
+        if self.released_epsilons is not None:
+            fields["released_epsilons"] = list(self.released_epsilons)
+        fields["randomness"] = SEEDED_NOTE if self.seeded else "secret (operating system)"
+        return fields
+
+
+class _CountingTeachers:
+    """The teachers, counting their queries and reporting each step to `on_step`."""
+
+    def __init__(self, teachers, on_step: Callable[[], None] | None):
+        self._teachers = teachers
+        self._on_step = on_step
+        self.vocab_size = teachers.vocab_size
+        self.calls = 0
+
+    @property
+    def num_teachers(self) -> int:
+        return self._teachers.num_teachers
+
+    def __call__(self, prefix):
+        self.calls += 1
+        if self._on_step is not None:
+            self._on_step()
+        return self._teachers(prefix)
+
+
+def synthesize(
+    documents: Sequence[Mapping[str, Any]],
+    model: public.PublicTextModel,
+    *,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    num_teachers: int,
+    method: Literal["coordinated", "independent"] = "coordinated",
+    prompt: str = "",
+    key: jax.Array | None = None,
+    aggregator: str = "confident_gnmax",
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    threshold_fraction: float | None = None,
+    max_retries: int = 0,
+    stop_at_newline: bool = True,
+    public_fallback: bool = True,
+    batch_size: int = 64,
+    on_step: Callable[[], None] | None = None,
+) -> SynthesisResult:
+    """Generates `num_samples` texts privately from `documents` with Hot PATE.
+
+    Args:
+        documents: records `{"text": str, "user": optional id}`; with `user` the unit is a
+            user (all of a user's documents go to one teacher), else a document.
+        model: the public GPT-2 and tokenizer (`public.load_public_model`, `text_default_model`).
+        epsilon, delta: the total budget: the aggregator's noise is calibrated so that the
+            worst case (num_samples · max_new_tokens · (max_retries + 1) calls) costs at most
+            (ε, δ) by the accountant; δ must be below 1/n for the n teachers.
+        num_samples: texts to generate.
+        num_teachers: n, from 2 to the number of units; fix it without looking at the data
+            (not from its size): the partition depends on n, so a data-dependent n would let
+            one unit move every other unit's teacher.
+        method: "coordinated" (hot: shared sampling noise) or "independent" (cold) histograms.
+        prompt: public text every teacher's context and every sample starts from.
+        key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
+            randomness. A key makes the run reproducible and not private against anyone who
+            knows it (`seeded`).
+        aggregator: "confident_gnmax" (default; also releases a data-dependent ε),
+            "dpargmax_laplace" or "dpws".
+        max_new_tokens: length limit of a sample.
+        temperature: the teachers' (and the fallback's) sampling temperature.
+        threshold_fraction: the aggregator's threshold as a fraction of n (default per
+            aggregator, see `calibrated_config`).
+        max_retries: retries of a failed step (each charged).
+        stop_at_newline: a sample ends at a token holding a newline (else at EOS or the limit).
+        public_fallback: on a failed step take the public model's token given only the prompt
+            (free); without it the sample ends there.
+        batch_size: teachers per forward pass.
+        on_step: called once per decoding step (a progress bar in tokens).
+
+    Returns:
+        A `SynthesisResult`.
+
+    Raises:
+        ValueError: one line naming the argument or document: no text, fewer than 2 units,
+            a document longer than the model's context leaves room for, ε <= 0, δ >= 1/n, ...
+
+    Privacy:
+        Each teacher's prompt holds its own units' documents only (keyed hash partition), and
+        the teachers are read only through the calibrated DP aggregator, every call charged in
+        the ledger. The prompt, the public model and the fallback read no sensitive data. The
+        result's texts and ε values are publishable; `documents_in_prompts` depends on the
+        documents' lengths and is for the data owner's report only.
+    """
+    from dpmix_jax.pate.teachers import InContextTeachers
+
+    epsilon = privacy.check_epsilon(epsilon)
+    delta = privacy.check_delta(delta)
+    privacy.check_steps(num_samples, "num_samples")
+    privacy.check_steps(max_new_tokens, "max_new_tokens")
+    if method not in ("coordinated", "independent"):
+        raise ValueError(f"method must be 'coordinated' or 'independent', got {method!r}")
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    texts, ids, unit = _check_documents(documents)
+    num_units = len(set(ids))
+    if num_units < 2:
+        raise ValueError(
+            f"the documents hold only one unit (one {unit[:-1]}); PATE needs at least 2 {unit} "
+            "to form teachers"
+        )
+    n = num_teachers
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= num_units:
+        raise ValueError(
+            f"num_teachers must be an integer from 2 to the {num_units} {unit}, got {n!r}"
+        )
+    privacy.check_delta_for_units(delta, n, unit="teachers")
+    tokenizer = model.tokenizer
+    prompt_ids = tokenizer.encode(prompt) if prompt else []
+    separator = tokenizer.encode("\n")
+    budget = model.context_length - max_new_tokens - len(prompt_ids)
+    if budget < 1 + len(separator):
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) and max_new_tokens = {max_new_tokens} leave no "
+            f"room for documents in the model's context of {model.context_length} tokens"
+        )
+    encoded = tokenizer.encode_batch(texts)
+    for index, ids_of_doc in enumerate(encoded):
+        if len(ids_of_doc) + len(separator) > budget:
+            raise ValueError(
+                f"{_where(documents[index], index)} has {len(ids_of_doc)} tokens; the model's "
+                f"context of {model.context_length} tokens holds documents of at most "
+                f"{budget - len(separator)} next to the prompt and max_new_tokens = "
+                f"{max_new_tokens}; split it into shorter documents"
+            )
+    seeded = key is not None
+    if seeded:
+        partition_key = np.asarray(jax.random.key_data(jax.random.fold_in(key, 0))).tobytes()
+        key = jax.random.fold_in(key, 1)
+    else:
+        partition_key = None
+    parts = teacher_parts(documents, n, key=partition_key)
+    prompts, used = [], 0
+    for part in parts:
+        context: list[int] = []
+        for index in part:
+            piece = [*encoded[int(index)], *separator]
+            if len(context) + len(piece) > budget:
+                break
+            context.extend(piece)
+            used += 1
+        prompts.append(context + prompt_ids or [tokenizer.eos_id])
+
+    num_calls = num_samples * max_new_tokens * (max_retries + 1)
+    stops = tuple((t,) for t in public.newline_tokens(tokenizer)) if stop_at_newline else ()
+    config = calibrated_config(
+        aggregator,
+        epsilon=epsilon,
+        delta=delta,
+        num_calls=num_calls,
+        num_teachers=n,
+        threshold_fraction=threshold_fraction,
+        sampler=method,
+        temperature=temperature,
+        max_retries=max_retries,
+        max_new_tokens=max_new_tokens,
+        eos_id=tokenizer.eos_id,
+        stop_sequences=stops,
+    )
+    vocab = int(model.model.config.vocab_size)
+    if config.aggregator == "confident_gnmax":
+        release = smooth_sensitivity.choose_release(
+            num_queries=max_new_tokens,
+            num_teachers=n,
+            num_classes=vocab,
+            threshold=config.threshold,
+            sigma1=config.sigma1,
+            sigma2=config.sigma2,
+            delta=config.report_delta,
+            agreement=_RELEASE_AGREEMENT,
+        )
+        config = dataclasses.replace(
+            config,
+            release_order=release.order,
+            release_noise_multiplier=release.noise_multiplier,
+            release_beta=release.beta,
+        )
+    event, call_delta = config.charge()
+    planned = accounting.epsilon_of_steps(event, steps=num_calls, delta=config.report_delta)
+
+    teachers = _CountingTeachers(
+        InContextTeachers(
+            model.model, prompts, batch_size=min(batch_size, n), pad_id=tokenizer.eos_id
+        ),
+        on_step,
+    )
+    fallback = (
+        public.make_public_model(model.model, [tokenizer.eos_id, *prompt_ids])
+        if public_fallback
+        else None
+    )
+    ledger = accounting.PateLedger()
+    results = []
+    for _ in range(num_samples):
+        sub = None
+        if seeded:
+            key, sub = jax.random.split(key)
+        results.append(
+            generation.generate(
+                teachers, prompt_ids, config, key=sub, public_model=fallback, ledger=ledger
+            )
+        )
+    last = results[-1]
+    released = None
+    data_dependent = None
+    if config.release_order is not None:
+        released = tuple(float(r.released.epsilon) for r in results)
+        conversion = math.log(1 / config.report_delta) / (config.release_order - 1)
+        data_dependent = sum(released) - (len(released) - 1) * conversion
+    sources = [s for r in results for s in r.sources]
+    failed_steps = sum(r.sources.count("public") + (r.stop_reason == "fail") for r in results)
+    mechanism = {
+        "threshold": config.threshold,
+        "per_call_epsilon": config.epsilon if aggregator != "confident_gnmax" else None,
+        "per_call_delta": call_delta,
+        "sigma1": config.sigma1 if aggregator == "confident_gnmax" else None,
+        "sigma2": config.sigma2 if aggregator == "confident_gnmax" else None,
+        "report_delta": config.report_delta,
+        "max_calls": num_calls,
+        "release_order": config.release_order,
+        "release_beta": config.release_beta,
+        "release_noise_multiplier": (
+            config.release_noise_multiplier if config.release_order is not None else None
+        ),
+        "max_new_tokens": max_new_tokens,
+        "max_retries": max_retries,
+        "temperature": temperature,
+        "stop_at_newline": stop_at_newline,
+        "public_fallback": public_fallback,
+    }
+    return SynthesisResult(
+        texts=tuple(prompt + tokenizer.decode(r.tokens) for r in results),
+        marked_texts=tuple(
+            prompt + public.marked_text(tokenizer, r.tokens, r.sources) for r in results
+        ),
+        stop_reasons=tuple(r.stop_reason for r in results),
+        epsilon=last.epsilon,
+        delta=last.delta,
+        target_epsilon=epsilon,
+        target_delta=delta,
+        planned_epsilon=planned,
+        data_dependent_epsilon=data_dependent,
+        released_epsilons=released,
+        aggregator=aggregator,
+        method=method,
+        num_teachers=n,
+        num_units=num_units,
+        unit=unit,
+        documents_in_prompts=used,
+        tokens_generated=len(sources),
+        steps_with_output=sources.count("private"),
+        steps_without_output=failed_steps,
+        num_queries=sum(r.num_queries for r in results),
+        teacher_forward_passes=teachers.calls * n,
+        mechanism=mechanism,
+        seeded=seeded,
+    )

@@ -1,0 +1,339 @@
+"""Private synthetic text (`pate.synthesize`, `pate.public`) and `dpmix generate`, on a tiny
+GPT-2 saved locally in the transformers format with a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import dp_accounting
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import optimize, stats
+
+from dpmix_jax import cli
+from dpmix_jax.data.tokenizer import train_bpe_tokenizer
+from dpmix_jax.models.gpt2 import GPT2, GPT2Config
+from dpmix_jax.pate import public, synthesize
+from dpmix_jax.privacy.parts import assign_parts
+
+TEXTS = [
+    f"Meeting {i} moved to room {i % 7}. Please bring the report on item {i}." for i in range(24)
+]
+USERS = [f"user{i % 6}" for i in range(len(TEXTS))]
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A transformers GPT-2 folder: config.json (model_type gpt2), safetensors, tokenizer.json."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("gpt2")
+    tokenizer = train_bpe_tokenizer(TEXTS * 3, vocab_size=300)
+    tokenizer.save(folder / "tokenizer.json")
+    config = transformers.GPT2Config(
+        vocab_size=tokenizer.vocab_size, n_positions=64, n_embd=32, n_layer=1, n_head=2
+    )
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model(model_folder):
+    return public.load_public_model(model_folder)
+
+
+def _docs(with_users: bool = True) -> list[dict]:
+    return [
+        {"text": t, **({"user": u} if with_users else {})}
+        for t, u in zip(TEXTS, USERS, strict=True)
+    ]
+
+
+def _run(model, **overrides):
+    settings = dict(
+        epsilon=2.0,
+        delta=1e-5,
+        num_samples=2,
+        max_new_tokens=3,
+        num_teachers=4,
+        key=jax.random.key(7),
+        stop_at_newline=False,
+    )
+    return synthesize.synthesize(_docs(), model, **{**settings, **overrides})
+
+
+def _gaussian_epsilon(sigma: float, delta: float) -> float:
+    """The exact ε of the Gaussian mechanism (sensitivity 1, noise σ) at δ (Balle & Wang 2018)."""
+
+    def delta_of(eps: float) -> float:
+        a, b = 1 / (2 * sigma), eps * sigma
+        return stats.norm.cdf(a - b) - math.exp(eps) * stats.norm.cdf(-a - b)
+
+    return optimize.brentq(lambda e: delta_of(e) - delta, 1e-9, 100.0, xtol=1e-12)
+
+
+def test_transformers_folder_loads_with_its_weights_and_tokenizer(model_folder, model):
+    torch = pytest.importorskip("torch")
+    import transformers
+
+    reference = transformers.GPT2LMHeadModel.from_pretrained(model_folder).eval()
+    ids = model.tokenizer.encode("Please bring the report")
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits.numpy()
+    np.testing.assert_allclose(model.model(jnp.asarray([ids])), expected, atol=1e-4)
+    assert model.context_length == 64
+
+
+def test_stored_model_reads_back_the_same(model, tmp_path):
+    public.save_public_model(model, tmp_path / "stored")
+    again = public.load_public_model(tmp_path / "stored")
+    ids = jnp.asarray([model.tokenizer.encode("Meeting 3 moved")])
+    np.testing.assert_array_equal(again.model(ids), model.model(ids))
+    assert again.tokenizer.encode("room 5") == model.tokenizer.encode("room 5")
+
+
+def test_gnmax_epsilon_is_the_gaussian_composition_of_the_calls_that_ran(model):
+    result = _run(model, aggregator="confident_gnmax")
+    m = result.mechanism
+    # One call: Gaussian σ1 on the top count (sensitivity 1) and σ2 on the counts (L2 √2),
+    # i.e. a Gaussian of 1/σ² = 1/σ1² + 2/σ2²; q calls: σ/√q. Exact, independent of the PLD.
+    sigma = (1 / m["sigma1"] ** 2 + 2 / m["sigma2"] ** 2) ** -0.5 / math.sqrt(result.num_queries)
+    exact = _gaussian_epsilon(sigma, 1e-5)
+    assert exact <= result.epsilon <= exact * 1.002
+    assert result.delta == 1e-5
+    # Calibrated for the longest run (num_samples · max_new_tokens calls), tightly.
+    assert m["max_calls"] == 6 and m["sigma1"] == 2 * m["sigma2"]
+    assert 0.99 * 2.0 <= result.planned_epsilon <= 2.0
+    assert result.epsilon <= result.planned_epsilon
+    assert result.num_queries <= 6 and result.tokens_generated == result.num_queries
+    # The data-dependent ε: each sample's private release composed at the common order λ.
+    conversion = math.log(1e5) / (m["release_order"] - 1)
+    released = result.released_epsilons
+    assert len(released) == 2
+    assert result.data_dependent_epsilon == pytest.approx(sum(released) - conversion)
+
+
+def test_dpws_epsilon_and_delta_are_the_laplace_composition_plus_per_call_delta(model):
+    result = _run(model, aggregator="dpws")
+    m = result.mechanism
+    assert m["report_delta"] == 5e-6 and m["per_call_delta"] == pytest.approx(5e-6 / 6)
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-5)
+    accountant.compose(dp_accounting.LaplaceDpEvent(1 / m["per_call_epsilon"]), result.num_queries)
+    reference = accountant.get_epsilon(5e-6)
+    assert result.epsilon == pytest.approx(reference, rel=2e-3)
+    assert result.epsilon <= result.num_queries * m["per_call_epsilon"]  # basic composition
+    assert result.delta == pytest.approx(5e-6 + result.num_queries * m["per_call_delta"])
+    assert result.delta <= 1e-5 * (1 + 1e-12)
+    assert result.data_dependent_epsilon is None and result.released_epsilons is None
+
+
+def test_a_user_field_makes_users_the_units(model):
+    docs = _docs()
+    parts = synthesize.teacher_parts(docs, 3, key=b"secret")
+    teacher = np.empty(len(docs), int)
+    for t, part in enumerate(parts):
+        teacher[part] = t
+    for user in set(USERS):
+        assert len({teacher[i] for i, u in enumerate(USERS) if u == user}) == 1
+    expected = assign_parts(USERS, [1 / 3] * 3, key=b"secret")
+    np.testing.assert_array_equal(teacher, expected)
+    result = _run(model, num_samples=1)
+    assert (result.unit, result.num_units) == ("users", 6)
+    plain = synthesize.synthesize(
+        _docs(with_users=False), model, epsilon=2.0, delta=1e-5, num_samples=1,
+        max_new_tokens=2, key=jax.random.key(0), num_teachers=4,
+    )  # fmt: skip
+    assert (plain.unit, plain.num_units) == ("documents", len(TEXTS))
+
+
+def test_a_key_makes_the_run_reproducible(model):
+    first, second = _run(model), _run(model)
+    assert first.texts == second.texts and first.epsilon == second.epsilon
+    assert first.released_epsilons == second.released_epsilons
+    assert first.seeded and first.report()["randomness"].startswith("noise seeded")
+    secret = _run(model, key=None, num_samples=1)
+    assert not secret.seeded
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"epsilon": 0.0}, "epsilon must be a finite number > 0"),
+        ({"epsilon": -1.0}, "epsilon must be a finite number > 0"),
+        ({"delta": 0.5}, "delta = 0.5 >= 1/n"),
+        ({"num_teachers": 7}, "num_teachers must be an integer from 2 to the 6 users"),
+        ({"method": "lukewarm"}, "method must be 'coordinated' or 'independent'"),
+        ({"max_new_tokens": 70}, "leave no room for documents"),
+    ],
+)
+def test_bad_settings_give_one_line(model, change, message):
+    with pytest.raises(ValueError, match=message) as err:
+        _run(model, **change)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("documents", "message"),
+    [
+        ([{"text": "one", "user": "a"}, {"text": "two", "user": "a"}], "only one unit"),
+        ([{"text": "the same"}, {"text": "the same"}], "only one unit"),
+        (
+            [{"text": "x " * 200}, {"text": "short"}],
+            r"document 0 has \d+ tokens; the model.s context of 64",
+        ),
+        ([{"text": "a", "user": "u"}, {"text": "b"}], "document 1 has no user"),
+        ([{"text": "a", "user": 1.5}, {"text": "b", "user": 2}], "user must be a string"),
+        ([{"text": " "}, {"text": "b"}], "document 0 has no text"),
+        ([], "documents is empty"),
+    ],
+)
+def test_bad_documents_give_one_line_naming_the_document(model, documents, message):
+    with pytest.raises(ValueError, match=message) as err:
+        synthesize.synthesize(
+            documents, model, epsilon=1.0, delta=1e-5, num_samples=1, num_teachers=2
+        )
+    assert "\n" not in str(err.value)
+
+
+def test_documents_load_from_txt_jsonl_and_parquet(tmp_path):
+    (tmp_path / "a.txt").write_text("A whole file is one document.\nSecond line.")
+    rows = [{"text": "first", "user": "u1"}, {"text": "second", "user": 2}]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    records = synthesize.load_documents(tmp_path)
+    assert [r["text"] for r in records] == [
+        "A whole file is one document.\nSecond line.", "first", "second"
+    ]  # fmt: skip
+    assert records[2] == {"text": "second", "user": 2, "source": "b.jsonl:2"}
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["p1", "p2"], "user": ["x", "y"]}), tmp_path / "c.parquet")
+    loaded = synthesize.load_documents(tmp_path)
+    assert [(r["text"], r.get("user")) for r in loaded[3:]] == [("p1", "x"), ("p2", "y")]
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({}, "holds no documents"),
+        ({"bad.txt": b"caf\xe9 au lait"}, r"bad.txt: byte 3 \(0xe9\) is not UTF-8"),
+        ({"notes.csv": b"text\nhello"}, "notes.csv: documents are .txt, .jsonl, .parquet"),
+        ({"d.jsonl": b'{"text": "ok"}\n{"body": "no text"}'}, "d.jsonl:2: need a JSON object"),
+        ({"d.jsonl": b"{not json"}, "d.jsonl:1: not a JSON object"),
+    ],
+)
+def test_bad_document_folders_give_one_line_naming_the_file(tmp_path, files, message):
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=message) as err:
+        synthesize.load_documents(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_model_folders_that_are_not_gpt2_name_what_is_missing(model_folder, tmp_path):
+    with pytest.raises(ValueError, match="config.json .* is missing"):
+        public.load_public_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type is 'llama'; need a GPT-2"):
+        public.load_public_model(tmp_path)
+    config = json.loads((model_folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no tokenizer: tokenizer.json, or vocab.json"):
+        public.load_public_model(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((model_folder / "tokenizer.json").read_bytes())
+    with pytest.raises(ValueError, match="holds none of model.safetensors"):
+        public.load_public_model(tmp_path)
+    with pytest.raises(ValueError, match="does not exist or is not a folder"):
+        public.load_public_model(tmp_path / "absent")
+
+
+def test_text_default_model_is_trained_once_then_read_back(tmp_path):
+    settings = public.TextDefaultModel(
+        vocab_size=300, width=16, depth=1, heads=2, seq_len=32, train_steps=2, batch_size=4,
+        max_public_per_domain=20,
+    )  # fmt: skip
+    trained = public.text_default_model(tmp_path, settings)
+    (folder,) = tmp_path.iterdir()
+    assert folder.name == f"public_model-{settings.key()}"
+    again = public.text_default_model(tmp_path, settings)
+    ids = jnp.asarray([trained.tokenizer.encode("Dear team, the report")])
+    np.testing.assert_array_equal(again.model(ids), trained.model(ids))
+    assert again.model.config.n_embd == 16 and again.context_length == 32
+
+
+def test_text_default_documents_are_its_sentences_cut_to_max_chars():
+    documents = synthesize.text_default_documents(min_chars=20, max_chars=50)
+    assert len(documents) > 1000
+    assert all(20 <= len(d["text"]) <= 50 and "user" not in d for d in documents)
+
+
+def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_path, capsys):
+    documents = tmp_path / "docs"
+    documents.mkdir()
+    for i, text in enumerate(TEXTS[:8]):
+        (documents / f"note{i}.txt").write_text(text)
+    rows = [{"text": t, "user": f"j{i % 4}"} for i, t in enumerate(TEXTS[8:])]
+    (documents / "more.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    out = tmp_path / "out"
+    argv = ["generate", "--documents", str(documents), "--model", str(model_folder),
+            "--out", str(out), "--epsilon", "3", "--num-samples", "2", "--max-new-tokens", "3",
+            "--prompt", "Meeting", "--seed", "0", "--num-teachers", "4", "--quiet"]  # fmt: skip
+    # .txt files carry no user while the .jsonl rows do: every document needs one, or none.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpmix: error: document 16 (note0.txt) has no user but document 0")
+    assert "\n" not in err
+    (documents / "more.jsonl").write_text("\n".join(json.dumps({"text": r["text"]}) for r in rows))
+    assert cli.main(argv) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2
+    assert all(s["text"].startswith("Meeting") and s["stop_reason"] for s in samples)
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["epsilon"] == 3.0 and report["settings"]["seed"] == 0
+    assert 0 < report["epsilon"] <= report["planned_epsilon"] <= 3.0
+    assert report["num_units"] == len(TEXTS) and report["unit"] == "documents"
+    assert report["randomness"].startswith("noise seeded")
+    assert f"ε = {report['epsilon']:.3g}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--epsilon", "0"], "argument --epsilon must be a finite number > 0"),
+        (["--epsilon", "-2"], "argument --epsilon must be a finite number > 0"),
+        (["--num-samples", "0"], "argument --num-samples"),
+        (["--epsilon", "500"], "argument --epsilon must be in [0.01, 100]"),
+        (["--delta", "0.6"], "argument --delta = 0.6 >= 1/n"),
+        (["--model", "{tmp}"], "is not a GPT-2: config.json"),
+        (["--documents", "{tmp}"], "holds no documents"),
+        (["--num-teachers", ""], "argument --num-teachers: required with --documents"),
+    ],
+)
+def test_dpmix_generate_bad_input_is_one_line(tmp_path, capsys, extra, message):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    extra = [e.replace("{tmp}", str(empty)) for e in extra]
+    teachers = [] if "--num-teachers" in extra else ["--num-teachers", "2"]
+    extra = [e for e in extra if e not in ("--num-teachers", "")]
+    documents = [] if "--documents" in extra else ["--documents", str(tmp_path / "docs")]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(
+            ["generate", *documents, *teachers, "--out", str(tmp_path / "out"), "--quiet", *extra]
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpmix: error:") and message in err and "\n" not in err
+
+
+def test_the_public_fallback_sees_only_the_prompt():
+    model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=16), rngs=nnx.Rngs(0))
+    fallback = public.make_public_model(model, [0, 5, 7])
+    direct = model(jnp.asarray([[0, 5, 7, 9, 3]], jnp.int32))[0, -1]
+    np.testing.assert_allclose(fallback([9, 3]), direct, rtol=1e-5, atol=1e-5)
