@@ -426,8 +426,9 @@ def _parser() -> argparse.ArgumentParser:
         "report",
         help="rebuild the results tables of README.md and docs/ from docs/results/*.json",
         description=textwrap.fill(
-            "Every results table in README.md and docs/*.md sits between `<!-- table:NAME VIEW -->` and "
-            "`<!-- /table -->` and is rendered from docs/results/NAME.json, a copy of the "
+            "Every results table in README.md and docs/*.md sits between "
+            "`<!-- table:NAME VIEW -->` and `<!-- /table -->` and is rendered from "
+            "docs/results/NAME.json, a copy of the "
             "results.json a run wrote. --add copies a finished run's results.json and plots "
             "there first; --check changes nothing and fails if a table differs from its file."
         ),

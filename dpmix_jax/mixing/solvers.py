@@ -343,8 +343,8 @@ def run_frank_wolfe(
     γ_t = 2 / (t + 2). Dividing S by b would not change the argmin, so it is skipped.
 
     Args:
-        examples, batches, masks, key, kind, clip_norm, noise_multiplier, shift, strategy,
-            adaptive_clipping: as in `run_mirror_descent`.
+        examples, batches, masks, key, kind: as in `run_mirror_descent`.
+        clip_norm, noise_multiplier, shift, strategy, adaptive_clipping: likewise.
         expected_batch_size: b, needed only with `adaptive_clipping` (the count's normaliser).
 
     Returns:

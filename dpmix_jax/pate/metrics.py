@@ -6,7 +6,7 @@
 * maximum passing threshold with k tries: max over k histograms of max_j c_j;
 * top-1 minus top-2 margin of each histogram.
 
-Example:
+Examples:
     >>> import jax.numpy as jnp
     >>> h = jnp.array([[3, 1, 0], [2, 2, 0]])
     >>> [round(float(x), 3) for x in coverage(h, jnp.array([2.0, 3.0]))]

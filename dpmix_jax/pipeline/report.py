@@ -1,4 +1,4 @@
-"""Results tables of the markdown files (README.md and docs/*.md), rebuilt from checked-in results files.
+"""Results tables of README.md and docs/*.md, rebuilt from checked-in results files.
 
 A generated table sits between two markers:
 
