@@ -203,3 +203,27 @@ def test_add_results_copies_the_run_and_its_plots(tmp_path):
         report.add_results("toy", tmp_path / "nowhere", tmp_path / "results")
     with pytest.raises(ValueError, match="results name"):
         report.add_results("../x", run, tmp_path / "results")
+
+
+def test_an_experiments_own_markdown_is_stored_and_rebuilt_with_its_provenance(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    results = {"command": "python -m experiments.toy", "commit": "abc1234", "noise_seeded": False}
+    (run / "results.json").write_text(json.dumps(results))
+    (run / "results.md").write_text("# Toy\n\n## Part\n\n| a | b |\n|---|---|\n| 1 | 0.25 |\n")
+    (run / "curve.png").write_bytes(b"png")
+    results_dir = tmp_path / "docs" / "results"
+    written = report.add_results("toy", run, results_dir)
+    assert [p.name for p in written] == ["toy.json", "toy.md", "toy_curve.png"]
+    page = _markdown(tmp_path, "markdown")
+    report.update_markdown(page, results_dir)
+    text = page.read_text()
+    assert "### Part\n\n| a | b |\n|---|---|\n| 1 | 0.25 |\n" in text and "# Toy" not in text
+    assert "`python -m experiments.toy`" in text and "commit abc1234" in text
+    assert "secret" in text and report.check_markdown(page, results_dir) == []
+    page.write_text(text.replace("| 1 | 0.25 |", "| 1 | 0.26 |"))
+    (stale,) = report.check_markdown(page, results_dir)
+    assert "toy (markdown)" in stale
+    (results_dir / "toy.md").unlink()
+    with pytest.raises(ValueError, match=r"toy\.md"):
+        report.update_markdown(page, results_dir)

@@ -6,12 +6,13 @@ A generated table sits between two markers:
     ... generated, do not edit ...
     <!-- /table -->
 
-NAME names `docs/results/NAME.json`, a copy of the `results.json` a comparison wrote
-(`compare.run_comparison`; copied with `add_results`, or `dpmix report --add NAME=RUN_DIR`), and
-VIEW is one of `VIEWS`. `update_markdown` rewrites every block from its file (`dpmix report`);
-`check_markdown` lists the blocks that differ from their files (`dpmix report --check`, and a
-test), so a number in the README is always the number its run wrote, next to the command, date
-and commit that produced it.
+NAME names `docs/results/NAME.json`, a copy of the `results.json` a run wrote (a comparison of
+`compare.run_comparison` or an experiment; copied with `add_results`, or `dpmix report --add
+NAME=RUN_DIR`, with the run's `results.md` as NAME.md and its plots), and VIEW is one of `VIEWS`:
+the comparison views, or `markdown`, the run's own `results.md`. `update_markdown` rewrites
+every block from its file (`dpmix report`); `check_markdown` lists the blocks that differ from
+their files (`dpmix report --check`, and a test), so a number in the docs is always the number
+its run wrote, next to the command, date and commit that produced it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ MARKER = re.compile(
     r"(?P<body>.*?)(?P<close><!-- /table -->)",
     re.S,
 )
-PLOTS = ("utility_vs_epsilon.png", "weights.png")
 
 
 def _utility(results: dict[str, Any], source: str) -> str:
@@ -68,7 +68,45 @@ def _weights(results: dict[str, Any], source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-VIEWS = {"utility": _utility, "budget": _budget, "weights": _weights}
+def _stored_markdown(results: dict[str, Any], source: str) -> str:
+    """The run's own `results.md` (stored as NAME.md), its title dropped, headings one level
+    down, then where it comes from."""
+    lines = results[MARKDOWN_KEY].strip("\n").splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    body = "\n".join("#" + line if line.startswith("#") else line for line in lines).strip("\n")
+    origin = run_provenance(results)
+    seeded = results.get("noise_seeded")
+    randomness = (
+        f" {compare.SEEDED_NOTE}."
+        if seeded
+        else " Private randomness secret (from the operating system)."
+        if seeded is False
+        else ""
+    )
+    return (
+        f"{body}\n\n{compare.provenance_line({'provenance': origin})}{randomness} Rebuilt by "
+        f"`dpmix report` from `{source}` and its `.md`.\n"
+    )
+
+
+VIEWS = {
+    "utility": _utility,
+    "budget": _budget,
+    "weights": _weights,
+    "markdown": _stored_markdown,
+}
+MARKDOWN_KEY = "__markdown__"
+
+
+def run_provenance(results: dict[str, Any]) -> dict[str, Any]:
+    """A stored result's provenance (command, date, commit, machine), whether its writer nested
+    it under "provenance" or wrote it at the top level."""
+    origin = dict(results.get("provenance") or {})
+    for key in ("command", "date", "commit", "version", "backend", "devices", "cpu_count"):
+        if key in results and key not in origin:
+            origin[key] = results[key]
+    return origin
 
 
 def render(view: str, results: dict[str, Any], source: str) -> str:
@@ -79,8 +117,8 @@ def render(view: str, results: dict[str, Any], source: str) -> str:
 
 
 def add_results(name: str, run_dir: pathlib.Path, results_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Copies `run_dir/results.json` to `results_dir/NAME.json` and its plots to
-    `results_dir/NAME_<plot>.png`; returns the written paths."""
+    """Copies `run_dir/results.json` to `results_dir/NAME.json`, its `results.md` to NAME.md and
+    its plots to `results_dir/NAME_<plot>.png`; returns the written paths."""
     if not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a results name uses letters, digits, '_', '-' and '.', got {name!r}.")
     source = pathlib.Path(run_dir) / "results.json"
@@ -91,10 +129,12 @@ def add_results(name: str, run_dir: pathlib.Path, results_dir: pathlib.Path) -> 
     results_dir.mkdir(parents=True, exist_ok=True)
     written = [results_dir / f"{name}.json"]
     shutil.copyfile(source, written[0])
-    for plot in PLOTS:
-        if (pathlib.Path(run_dir) / plot).is_file():
-            written.append(results_dir / f"{name}_{plot}")
-            shutil.copyfile(pathlib.Path(run_dir) / plot, written[-1])
+    if (pathlib.Path(run_dir) / "results.md").is_file():
+        written.append(results_dir / f"{name}.md")
+        shutil.copyfile(pathlib.Path(run_dir) / "results.md", written[-1])
+    for plot in sorted(pathlib.Path(run_dir).glob("*.png")):
+        written.append(results_dir / f"{name}_{plot.name}")
+        shutil.copyfile(plot, written[-1])
     return written
 
 
@@ -123,6 +163,10 @@ def rebuild(
                 cache[name] = json.loads(path.read_text())
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path} is not valid JSON: {err}") from err
+            if path.with_suffix(".md").is_file():
+                cache[name][MARKDOWN_KEY] = path.with_suffix(".md").read_text()
+        if view == "markdown" and MARKDOWN_KEY not in cache[name]:
+            raise ValueError(f"table {name!r} (markdown) needs {path.with_suffix('.md')}.")
         names.append(f"{name}:{view}")
         return match["open"] + render(view, cache[name], source) + match["close"]
 
