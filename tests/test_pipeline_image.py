@@ -213,7 +213,7 @@ def test_comparison_writes_results_in_the_documented_shape(task, tmp_path):
     dp = next(r for r in on_disk["runs"] if r["method"] == "dp_mixmin")
     assert -1 <= dp["weight_quality"]["cosine_true"] <= 1
     assert "cosine_reference" in dp["weight_quality"]
-    assert (tmp_path / "results.md").read_text().count("| dp_mixmin |") == 2
+    assert (tmp_path / "results.md").read_text().count("| DP-MixMin |") == 2
     assert (tmp_path / "utility_vs_epsilon.png").stat().st_size > 0
     assert (tmp_path / "weights.png").stat().st_size > 0
 

@@ -60,9 +60,9 @@ def test_tables_name_reference_methods_and_explain_the_error_bars():
     results = fake_results()
     text = compare.markdown_table(results)
     assert "mean ± std over 3 seeds" in text
-    assert "| random_search (non-private selection, spends 4ε) |" in text
-    assert "| nonprivate_mixmin (λ not private, only its fine-tuning is DP) |" in text
-    assert "| dp_mixmin | 0.5100 ± 0.0082 |" in text  # utilities 0.50, 0.51, 0.52
+    assert "| Random Search (non-private selection, spends 4ε) |" in text
+    assert "| non-private MixMin (λ not private, only its fine-tuning is DP) |" in text
+    assert "| DP-MixMin | 0.5100 ± 0.0082 |" in text  # utilities 0.50, 0.51, 0.52
     assert "`dpmix demo`" in text and "abc1234" in text and "2026-01-01" in text
 
 
@@ -85,9 +85,9 @@ def test_plots_mark_reference_methods_and_explain_error_bars(monkeypatch, tmp_pa
     # Below the axes, so that it hides no point.
     assert legend.get_window_extent().y1 <= ax.get_window_extent().y0
     styles = {bars.get_label(): bars.lines[0] for bars in ax.containers}
-    search = styles["random_search (non-private selection, spends 4ε)"]
+    search = styles["Random Search (non-private selection, spends 4ε)"]
     assert search.get_linestyle() == "--" and search.get_markerfacecolor() == "none"
-    dp = styles["dp_mixmin"]
+    dp = styles["DP-MixMin"]
     assert dp.get_linestyle() == "-" and dp.get_markerfacecolor() != "none"
     title = weights.axes[0].get_title()
     assert "mixture weights" in title and "± std over seeds" in title
@@ -179,7 +179,7 @@ def test_report_rebuilds_tables_from_their_file_and_detects_drift(tmp_path):
     ]
     text = readme.read_text()
     assert text.startswith("# Title\n\ntext before\n") and text.endswith("text after\n")
-    assert "from `docs/results/toy.json`" in text and "| dp_mixmin | 0.5100 ± 0.0082 |" in text
+    assert "from `docs/results/toy.json`" in text and "| DP-MixMin | 0.5100 ± 0.0082 |" in text
     assert report.check_markdown(readme, results_dir) == []
     readme.write_text(text.replace("0.5100 ± 0.0082", "0.5200 ± 0.0082"))
     (stale,) = report.check_markdown(readme, results_dir)
@@ -227,3 +227,20 @@ def test_an_experiments_own_markdown_is_stored_and_rebuilt_with_its_provenance(t
     (results_dir / "toy.md").unlink()
     with pytest.raises(ValueError, match=r"toy\.md"):
         report.update_markdown(page, results_dir)
+
+
+def test_a_method_far_from_the_others_is_drawn_on_an_axis_of_its_own(monkeypatch, tmp_path):
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path, **kw: figures.append(self))
+    results = fake_results()
+    for run in results["runs"]:
+        if run["method"] == "random_init":
+            run["utility"] = 50.0  # a perplexity-like outlier beside utilities of about 0.5
+    compare.plot_results(results, tmp_path)
+    main, side = figures[0].axes
+    assert [c.get_label() for c in side.containers] == ["Random Init"]
+    assert "Random Init" not in [c.get_label() for c in main.containers]
+    assert main.get_ylim()[1] < 1.0  # the others keep a readable scale
+    assert compare._off_scale({"a": 0.9, "b": 0.8, "c": 0.66, "d": 0.8}) == []

@@ -40,6 +40,13 @@ from dpmix_jax.privacy import SEEDED_NOTE
 from dpmix_jax.privacy.accounting import format_epsilon
 
 # Why a method is only a reference point (its runs carry `"private": false`).
+METHOD_NAMES = {
+    "dp_mixmin": "DP-MixMin",
+    "uniform": "Uniform",
+    "random_init": "Random Init",
+    "random_search": "Random Search",
+    "nonprivate_mixmin": "non-private MixMin",
+}
 REFERENCE_NOTES = {
     "random_search": "non-private selection",
     "nonprivate_mixmin": "λ not private, only its fine-tuning is DP",
@@ -330,13 +337,14 @@ def method_label(method: str, table: dict[tuple[str, float], dict[str, float]]) 
     """The method's name; for a reference (non-private) method, why, and what it spends when
     that is more than the target ε (Random Search: the composition of m fine-tunings)."""
     rows = {eps: row for (m, eps), row in table.items() if m == method}
+    name = METHOD_NAMES.get(method, method)
     if all(row["private"] for row in rows.values()):
-        return method
+        return name
     notes = [REFERENCE_NOTES.get(method, "not private")]
     ratio = max(row["spent"] / eps for eps, row in rows.items())
     if ratio > 1.05:
         notes.append(f"spends {round(ratio, 1):g}ε")
-    return f"{method} ({', '.join(notes)})"
+    return f"{name} ({', '.join(notes)})"
 
 
 def seed_count(results: dict[str, Any]) -> int:
@@ -449,48 +457,74 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _off_scale(means: dict[str, float]) -> list[str]:
+    """Methods whose mean utility is more than 3 times farther from the median of the means than
+    the spread of the others (Random Init's perplexity beside pretrained models' ones): they go
+    on an axis of their own, so that the others' differences stay readable."""
+    if len(means) < 3:
+        return []
+    values = np.array(list(means.values()))
+    centre = np.median(values)
+    far = []
+    for method, mean in means.items():
+        others = values[values != mean]
+        spread = max(np.ptp(others), 1e-12)
+        if abs(mean - centre) > 3 * spread:
+            far.append(method)
+    return far if len(far) < len(means) - 1 else []
+
+
 def plot_results(results: dict[str, Any], out_dir: pathlib.Path) -> None:
     """`utility_vs_epsilon.png` and, when DP-MixMin ran, `weights.png`.
 
     Private methods are drawn solid with filled markers; reference (non-private) methods dashed
     with hollow markers, their legend entry saying why and what they spend. Points are mean ±
-    std over seeds, nudged sideways per method so that error bars do not hide each other.
+    std over seeds, nudged sideways per method so that error bars do not hide each other. A
+    method far from all the others (`_off_scale`) gets a narrow panel of its own.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib import ticker
 
     table = summarize(results)
     methods = _methods(table)
     seeds = seed_count(results)
     delta = results["runs"][0]["delta"]
-    fig, ax = plt.subplots(figsize=(7, 5.2))
-    nudges = np.exp(np.linspace(-0.035, 0.035, len(methods))) if len(methods) > 1 else [1.0]
-    for nudge, method in zip(nudges, methods, strict=True):
-        points = sorted((eps, row) for (m, eps), row in table.items() if m == method)
-        reference = not all(row["private"] for _, row in points)
-        ax.errorbar(
-            [eps * nudge for eps, _ in points],
-            [row["mean"] for _, row in points],
-            yerr=[row["std"] for _, row in points],
-            marker="s" if reference else "o",
-            markerfacecolor="none" if reference else None,
-            linestyle="--" if reference else "-",
-            capsize=3,
-            label=method_label(method, table),
-        )
-    ax.set_xscale("log")
-    means = [row["mean"] for row in table.values()]
-    if min(means) > 0 and max(means) > 3 * min(means):  # e.g. perplexities of 100 and 500
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(ticker.ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+    means = {m: np.mean([r["mean"] for (mm, _), r in table.items() if mm == m]) for m in methods}
+    far = _off_scale(means)
+    panels = [[m for m in methods if m not in far]] + ([far] if far else [])
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(7 + 2.2 * (len(panels) - 1), 5.2),
+        gridspec_kw={"width_ratios": [3, 1][: len(panels)]},
+        squeeze=False,
+    )
+    styles = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    nudges = dict(zip(methods, np.exp(np.linspace(-0.035, 0.035, len(methods))), strict=True))
     all_eps = sorted({eps for _, eps in table})
-    ax.set_xticks(all_eps, [f"{e:g}" for e in all_eps])
-    ax.minorticks_off()
+    for ax, panel in zip(axes[0], panels, strict=True):
+        for method in panel:
+            points = sorted((eps, row) for (m, eps), row in table.items() if m == method)
+            reference = not all(row["private"] for _, row in points)
+            ax.errorbar(
+                [eps * nudges[method] for eps, _ in points],
+                [row["mean"] for _, row in points],
+                yerr=[row["std"] for _, row in points],
+                color=styles.get(method),
+                marker="s" if reference else "o",
+                markerfacecolor="none" if reference else None,
+                linestyle="--" if reference else "-",
+                capsize=3,
+                label=method_label(method, table),
+            )
+        ax.set_xscale("log")
+        ax.set_xticks(all_eps, [f"{e:g}" for e in all_eps])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    ax = axes[0][0]
+    delta = results["runs"][0]["delta"]
     ax.set_xlabel(f"target ε, end to end (δ = {delta:g}); dashed, hollow: not private")
     arrow = "higher is better" if results["higher_is_better"] else "lower is better"
     ax.set_ylabel(f"{results['metric']} ({arrow})")
@@ -498,8 +532,20 @@ def plot_results(results: dict[str, Any], out_dir: pathlib.Path) -> None:
         f"{results['dataset']}\nmean ± std over {seeds} seeds (points nudged sideways)",
         fontsize=10,
     )
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, fontsize=8, frameon=False)
+    if far:
+        axes[0][1].set_title("far from the others:\nits own axis", fontsize=9)
+        axes[0][1].set_xlabel("target ε")
+    handles = [h for a in axes[0] for h in a.get_legend_handles_labels()[0]]
+    labels = [label for a in axes[0] for label in a.get_legend_handles_labels()[1]]
+    ax.legend(
+        handles,
+        labels,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.15),
+        ncol=2,
+        fontsize=8,
+        frameon=False,
+    )
     fig.savefig(out_dir / "utility_vs_epsilon.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
