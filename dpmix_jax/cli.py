@@ -6,7 +6,7 @@ dpmix run EXPERIMENT [--mesh data=D,model=M] [--distributed] [experiment argumen
 dpmix audit [arguments ...]          (= dpmix run audit ...)
 dpmix bench [arguments ...]          (= dpmix run bench_grads ...)
 dpmix experiments                    (lists the experiments)
-dpmix report [--add NAME=RUN_DIR ...] [--check]   (README tables from docs/results/*.json)
+dpmix report [--add NAME=RUN_DIR ...] [--check]   (README and docs tables from docs/results/*.json)
 """
 
 from __future__ import annotations
@@ -423,9 +423,10 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("experiments", help="list the experiments", formatter_class=HelpFormatter)
     report = commands.add_parser(
         "report",
-        help="rebuild the README's results tables from docs/results/*.json",
+        help="rebuild the README's and docs pages' results tables from docs/results/*.json",
         description=textwrap.fill(
-            "Every results table in the README sits between `<!-- table:NAME VIEW -->` and "
+            "Every results table in the README and the docs pages (docs/ablations.md) sits "
+            "between `<!-- table:NAME VIEW -->` and "
             "`<!-- /table -->` and is rendered from docs/results/NAME.json, a copy of the "
             "results.json a run wrote. --add copies a finished run's results.json and plots "
             "there first; --check changes nothing and fails if a table differs from its file."
@@ -448,9 +449,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--readme",
         type=pathlib.Path,
-        default=pathlib.Path("README.md"),
+        default=None,
         metavar="PATH",
-        help="the markdown file whose tables are rebuilt",
+        help="the markdown file whose tables are rebuilt (default: README.md and the docs pages "
+        "with generated tables)",
     )
     report.add_argument(
         "--results",
@@ -656,13 +658,15 @@ def _report(args: argparse.Namespace) -> int:
             raise SystemExit(f"dpmix report: --add takes NAME=RUN_DIR, got {item!r}")
         copied = report.add_results(name, pathlib.Path(run_dir), args.results)
         print(f"copied {', '.join(str(p) for p in copied)}")
+    documents = [args.readme] if args.readme else [pathlib.Path(p) for p in report.DOCUMENTS]
     if args.check:
-        stale = report.check_markdown(args.readme, args.results)
+        stale = [line for path in documents for line in report.check_markdown(path, args.results)]
         for line in stale:
             print(line, file=sys.stderr)
         return 1 if stale else 0
-    updated = report.update_markdown(args.readme, args.results)
-    print(f"rebuilt {len(updated)} table(s) in {args.readme}: {', '.join(updated) or 'none'}")
+    for path in documents:
+        updated = report.update_markdown(path, args.results)
+        print(f"rebuilt {len(updated)} table(s) in {path}: {', '.join(updated) or 'none'}")
     return 0
 
 

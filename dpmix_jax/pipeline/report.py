@@ -1,4 +1,4 @@
-"""Results tables of a markdown file (the README), rebuilt from checked-in results files.
+"""Results tables of markdown files (`DOCUMENTS`), rebuilt from checked-in results files.
 
 A generated table sits between two markers:
 
@@ -7,8 +7,9 @@ A generated table sits between two markers:
     <!-- /table -->
 
 NAME names `docs/results/NAME.json`, a copy of the `results.json` a comparison wrote
-(`compare.run_comparison`; copied with `add_results`, or `dpmix report --add NAME=RUN_DIR`), and
-VIEW is one of `VIEWS`. `update_markdown` rewrites every block from its file (`dpmix report`);
+(`compare.run_comparison`; copied with `add_results`, or `dpmix report --add NAME=RUN_DIR`) or of
+the `ablations.json` of `experiments.ablations` (the `ablation_*` views), and VIEW is one of
+`VIEWS`. `update_markdown` rewrites every block from its file (`dpmix report`);
 `check_markdown` lists the blocks that differ from their files (`dpmix report --check`, and a
 test), so a number in the README is always the number its run wrote, next to the command, date
 and commit that produced it.
@@ -34,6 +35,9 @@ MARKER = re.compile(
     re.S,
 )
 PLOTS = ("utility_vs_epsilon.png", "weights.png")
+# The markdown files (paths from the repository root) whose tables `dpmix report` rebuilds, and
+# `dpmix report --check` checks, unless it is given one file.
+DOCUMENTS = ("README.md", "docs/ablations.md")
 
 
 def _utility(results: dict[str, Any], source: str) -> str:
