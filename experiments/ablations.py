@@ -140,7 +140,7 @@ def cli() -> None:
         "--preset",
         choices=("cpu", "tiny", "paper"),
         default="cpu",
-        help="cpu: the digit tasks (offline); tiny: a seconds-scale check of the wiring; paper: "
+        help="cpu: the digit tasks (offline); tiny: a one-minute check of the wiring; paper: "
         "NIH with CheXpert as public data",
     )
     parser.add_argument(

@@ -124,9 +124,9 @@ def test_report_check_covers_the_docs_page(tmp_path, monkeypatch, capsys):
     text = page.read_text()
     stored = json.loads((tmp_path / "docs/results/ablations.json").read_text())
     parallel = [r["utility"] for r in stored["runs"] if r["setting"] == "parallel"]
-    cell = f"{np.mean(parallel):.4f} ± {np.std(parallel):.4f}"
-    assert cell in text
-    page.write_text(text.replace(cell, "0.5000 ± 0.0000"))
+    row = f"| parallel | 1.000 | 1.000 | {np.mean(parallel):.4f} ± {np.std(parallel):.4f} |"
+    assert text.count(row) == 1
+    page.write_text(text.replace(row, "| parallel | 1.000 | 1.000 | 0.5000 ± 0.0000 |"))
     assert cli.main(["report", "--check"]) == 1
     assert "docs/ablations.md: table ablations (ablation_composition)" in capsys.readouterr().err
     assert cli.main(["report"]) == 0
