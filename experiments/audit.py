@@ -7,7 +7,7 @@ no-noise control (σ = 0) must show leakage far above it, which proves that the 
 
 - λ audit: DP-MixMin (`dp_mixmin`, mirror descent) on synthetic `nll` proxy outputs of k sources.
   `dp_mixmin` calibrates σ for the run and reports the claimed ε; the trials then vmap its jitted
-  core `run_mirror_descent` over noise keys and Poisson batches (`privacy.audit_runs`). By
+  core `run_mirror_descent` over noise keys and Poisson batches (`mixing.audit`). By
   default a "with" trial with seed s is exactly `dp_mixmin(data with canary, seed=s)`; its
   "without" twin uses the same public rate q and normaliser b with the canary's row removed from
   every batch (the add/remove neighbour the accountant analyses). With `known_batches`, trials
@@ -43,6 +43,7 @@ import numpy as np
 from sklearn.linear_model import LogisticRegression
 
 from dpmix_jax.cli import experiment_main, experiment_parser
+from dpmix_jax.mixing import audit as mixmin_audit
 from dpmix_jax.mixing import dp_mixmin
 from dpmix_jax.privacy import audit, audit_runs, plan
 from experiments import audit_releases
@@ -95,7 +96,7 @@ def audit_lambda(config: AuditConfig) -> list[dict]:
         preds = synthetic_proxy_outputs(
             settings.mixture_size, settings.num_sources, seed=config.seed + task
         )
-        canaries, reference = audit_runs.lambda_canaries(
+        canaries, reference = mixmin_audit.lambda_canaries(
             preds, clip_norm=settings.clip_norm, seed=config.seed + task
         )
         for eps in settings.epsilons:
@@ -121,7 +122,7 @@ def audit_lambda(config: AuditConfig) -> list[dict]:
                     scores = {}
                     for present in (True, False):
                         seeds = rng.integers(2**31 - 1, size=config.trials)
-                        scores[present], weights = audit_runs.lambda_scores(
+                        scores[present], weights = mixmin_audit.lambda_scores(
                             canary,
                             steps=settings.steps,
                             learning_rate=settings.learning_rate,
@@ -158,7 +159,7 @@ def audit_dpsgd(config: AuditConfig) -> list[dict]:
     """The DP-SGD audit: one row per claimed ε with ε_LB for each canary, with and without noise."""
     settings = config.dpsgd
     rng = np.random.default_rng(config.seed + 1)
-    x, y = audit_runs.digits_task()
+    x, y = audit_releases.digits_task()
     n, dim = x.shape
     params0 = {"w": jnp.zeros(dim, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     base = {"x": x, "y": y, "is_canary": np.zeros(n, bool)}

@@ -45,6 +45,7 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
+from dpmix_jax.mixing import audit as mixmin_audit
 from dpmix_jax.mixing import mixmin, prepare_examples
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pate import aggregators
@@ -55,6 +56,13 @@ from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, ReleaseAudi
 # --------------------------------------------------------------------------------------------
 # Shared.
 # --------------------------------------------------------------------------------------------
+
+
+def digits_task() -> tuple[np.ndarray, np.ndarray]:
+    """The audits' task: scikit-learn's digits, 1797 inputs in [0, 1]^64, label 1 for digits
+    >= 5 (also the DP-SGD audit's of `experiments.audit`)."""
+    digits = load_digits()
+    return (digits.data / 16.0).astype(np.float32), (digits.target >= 5).astype(np.float32)
 
 
 def _sgd_settings(release, steps: int, batch: float, learning_rate: float) -> DpSgdAuditConfig:
@@ -145,7 +153,7 @@ def _mixmin_transcripts(release, noise_multiplier, expected_batch, present, seed
         masks[..., -1] &= present[start : start + len(part), None]
         start += len(part)
         batches = np.broadcast_to(np.arange(units, dtype=np.int32), masks.shape)
-        trace = audit_runs.mixmin_trials(
+        trace = mixmin_audit.mixmin_trials(
             examples,
             jnp.asarray(batches),
             jnp.asarray(masks),
@@ -253,7 +261,7 @@ def dpsgd_one_run(config: AuditConfig, *, user_level: bool) -> dict:
     rng = np.random.default_rng(config.seed + (11 if user_level else 13))
     group = release.examples_per_user if user_level else 1
     m = release.one_run_canaries
-    data, users, n, dim = _with_canaries(*audit_runs.digits_task(), m, group)
+    data, users, n, dim = _with_canaries(*digits_task(), m, group)
     included = rng.random(m) < 0.5
     unit_ids = np.unique(users) if user_level else np.arange(len(users))
     unit_canary = unit_ids >= n if user_level else np.arange(len(users)) >= n
@@ -312,7 +320,7 @@ def dpsgd_user_level(config: AuditConfig) -> dict:
     release = config.releases
     rng = np.random.default_rng(config.seed + 17)
     group = release.examples_per_user
-    x, y = audit_runs.digits_task()
+    x, y = digits_task()
     limit = release.user_examples
     data, users, n, dim = _with_canaries(x[:limit], y[:limit], 1, group)
     unit_ids = np.unique(users)
@@ -581,7 +589,7 @@ def pate(config: AuditConfig) -> list[dict]:
 def _public_sources(num_sources: int, start: int):
     """k logistic models fitted on public digits (rows >= `start`), source s on the digits with
     class ≡ s (mod k) over-represented: `(k, 64)` weights and `(k,)` biases."""
-    x, y = audit_runs.digits_task()
+    x, y = digits_task()
     digits = load_digits().target
     weights, biases = [], []
     for s in range(num_sources):
@@ -604,7 +612,7 @@ def pipeline_setup(release: ReleaseAuditConfig, seed: int) -> dict:
     from dpmix_jax.privacy import assign_parts
 
     n, k = release.pipeline_units, release.pipeline_sources
-    x, y = audit_runs.digits_task()
+    x, y = digits_task()
     weights, biases = _public_sources(k, start=n)
     x, y = x[:n], y[:n]
     probs = 1 / (1 + np.exp(-(x @ weights.T + biases)))
@@ -698,7 +706,7 @@ def _end_to_end(setup, release, examples, ft_data, masks, seeds, mix_plan, noise
     Privacy: an audit tool; each run is the pipeline on the given (audit) data.
     """
     mix_masks, ft_masks = masks
-    trace = audit_runs.mixmin_trials(
+    trace = mixmin_audit.mixmin_trials(
         examples,
         jnp.asarray(
             np.broadcast_to(np.arange(mix_masks.shape[-1], dtype=np.int32), mix_masks.shape)

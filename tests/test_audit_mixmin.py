@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpmix_jax.mixing import audit as mixmin_audit
 from dpmix_jax.mixing import dp_mixmin, prepare_examples
 from dpmix_jax.mixing.solvers import SHIFTS, shifted_example_loss
 from dpmix_jax.privacy import audit, audit_runs, clipping
@@ -69,7 +70,7 @@ def test_vmapped_trials_are_dp_mixmin_runs_and_without_world_ignores_canary():
         get_config("cpu").mixmin, steps=20, sensitive_size=600, batch_size=30
     )  # 61 units, q < 1
     preds = runner.synthetic_proxy_outputs(settings.mixture_size, 5, seed=0)
-    canaries, _ = audit_runs.lambda_canaries(preds, clip_norm=settings.clip_norm, seed=0)
+    canaries, _ = mixmin_audit.lambda_canaries(preds, clip_norm=settings.clip_norm, seed=0)
     canary = canaries[1]
     seeds = np.array([3, 11, 12345])
     kwargs = dict(
@@ -92,13 +93,13 @@ def test_vmapped_trials_are_dp_mixmin_runs_and_without_world_ignores_canary():
         seeds=seeds,
         chunk=2,
     )
-    scores, weights = audit_runs.lambda_scores(canary, present=True, **common)
+    scores, weights = mixmin_audit.lambda_scores(canary, present=True, **common)
     np.testing.assert_allclose(weights, np.stack([r.weights for r in reference]), atol=1e-5)
     np.testing.assert_allclose(scores, audit.logit_score(weights, canary.direction))
     # Without the canary the result cannot depend on the canary's row.
-    _, without = audit_runs.lambda_scores(canary, present=False, **common)
+    _, without = mixmin_audit.lambda_scores(canary, present=False, **common)
     changed = dataclasses.replace(canary, preds=np.vstack([preds, np.full(5, 0.3)]))
-    _, without_changed = audit_runs.lambda_scores(changed, present=False, **common)
+    _, without_changed = mixmin_audit.lambda_scores(changed, present=False, **common)
     np.testing.assert_array_equal(without, without_changed)
     assert np.abs(without - weights).max() > 1e-4
 

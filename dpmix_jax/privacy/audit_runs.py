@@ -1,36 +1,34 @@
 """Trial runners of canary audits: many jitted runs of a mechanism with and without a canary.
 
 `privacy.audit` turns scores into ε lower bounds and builds canaries; this module runs the
-mechanisms that produce the scores, vmapped over trials, on the caller's data and loss:
+mechanisms that produce the scores, vmapped over trials, on the caller's data and loss
+(`mixing.audit` does the same for DP-MixMin's λ):
 
-- `sample_trial_batches`: the Poisson batches of many trials, with or without the canary unit
-  (optionally with the other units' batches known to the adversary).
-- `mixmin_trials`, `lambda_canaries`, `lambda_scores`: DP-MixMin (`run_mirror_descent`) on
-  given proxy outputs, and the scores of the released λ along a canary's logit direction.
+- `sample_trial_batches`, `poisson_masks`: the Poisson batches of many trials, with or without
+  the canary unit (optionally with the other units' batches known to the adversary).
 - `dpsgd_trials`, `dpsgd_run`: DP-SGD from the privacy core (`clipping`, `noise`) on a given
   per-example loss, example or user level, over trials or once with a given clipped sum;
-  `canary_contributions` measures what one row alone adds to a clipped sum.
-- `poisson_masks`, `transcript_llr`, `claimed_transcripts`, `pilot_then_bound`: the white-box
-  transcript audit of a Poisson-subsampled Gaussian mechanism (likelihood-ratio test chosen on
-  draws of the claimed mechanism, evaluated once on the implementation's runs).
-- `logistic_loss`, `digits_task`: the reference model and data (binary logistic regression on
-  scikit-learn's digits) of the audits in `experiments/audit.py`.
+  `canary_contributions` measures what one row alone adds to a clipped sum; `logistic_loss` is
+  the audits' reference model (binary logistic regression).
+- `transcript_llr`, `claimed_transcripts`, `pilot_then_bound`: the white-box transcript audit of
+  a Poisson-subsampled Gaussian mechanism (a likelihood-ratio test chosen on draws of the claimed
+  mechanism, evaluated once on the implementation's runs).
 
-Example (a DP-SGD audit of a user's loss; `data`, `params0` and a `score` of the final params
-are the caller's):
+Example (a DP-SGD audit of a user's loss; `data` holds n units and the canary as unit n, and
+`score` maps final parameters to a real number):
 
     run = dpsgd_trials(loss, clip_norm=C, learning_rate=lr, noise_multiplier=σ,
                        expected_batch_size=b)
-    batches, masks = sample_trial_batches(seeds, rate=q, num_units=n + 1, steps=T, canary=n,
-                                          present=True)
-    history = run(data, params0, batches, masks, jnp.asarray(seeds, jnp.uint32))
-    ... the same with present=False, then `audit.epsilon_lower_bound(with_, without, delta=δ)`
+    for present in (True, False):
+        batches, masks = sample_trial_batches(seeds, rate=q, num_units=n + 1, steps=T,
+                                              canary=n, present=present)
+        history = run(data, params0, batches, masks, jnp.asarray(seeds, jnp.uint32))
+        scores[present] = score(jax.tree.map(lambda h: h[:, -1], history))
+    bound = audit.epsilon_lower_bound(scores[True], scores[False], delta=δ)
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -38,20 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
 
-from dpmix_jax.mixing import mixmin, per_example_grads, prepare_examples
-from dpmix_jax.mixing.solvers import run_mirror_descent
 from dpmix_jax.privacy import clipping, noise, sampling
-from dpmix_jax.privacy.audit import (
-    LowerBound,
-    clopper_pearson,
-    epsilon_lower_bound_at,
-    logit_direction,
-    logit_score,
-    max_clip_nll_canary,
-    natural_canary,
-)
+from dpmix_jax.privacy.audit import LowerBound, clopper_pearson, epsilon_lower_bound_at
 
 PAD_MULTIPLE = 32
 
@@ -115,144 +102,6 @@ def poisson_masks(rng: np.random.Generator, trials: int, steps: int, units: int,
 
 
 # --------------------------------------------------------------------------------------------
-# DP-MixMin's λ.
-# --------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("clip_norm", "shift"))
-def mixmin_trials(
-    examples: dict[str, jax.Array],
-    batches: jax.Array,
-    masks: jax.Array,
-    seeds: jax.Array,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    learning_rate: float,
-    *,
-    clip_norm: float,
-    shift: str,
-):
-    """`run_mirror_descent` vmapped over trials: batches/masks `(trials, T, B)`, seeds `(trials,)`.
-
-    Trial i's noise key is `jax.random.key(seeds[i])`, as in `dp_mixmin(seed=seeds[i])`.
-
-    Privacy: an audit tool; each trial is one DP-MixMin run on the given (audit) data.
-    """
-
-    def one(indices, mask, seed):
-        return run_mirror_descent(
-            examples,
-            indices,
-            mask,
-            jax.random.key(seed),
-            kind="nll",
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size,
-            learning_rate=learning_rate,
-            shift=shift,
-        )
-
-    return jax.vmap(one)(batches, masks, seeds)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LambdaCanary:
-    """A λ-audit canary: the "with" data set, the canary's row index in it, its logit direction."""
-
-    name: str
-    preds: np.ndarray
-    index: int
-    direction: np.ndarray
-
-
-def lambda_canaries(
-    preds: np.ndarray, *, clip_norm: float, seed: int
-) -> tuple[list[LambdaCanary], np.ndarray]:
-    """The natural and max-clip canaries for a proxy-output matrix, and the reference λ*.
-
-    Both directions are taken at λ* = non-private MixMin on `preds` (the audit's adversary knows
-    every other example).
-
-    Privacy: not private (an audit tool, it reads the whole data set).
-    """
-    reference = np.asarray(mixmin(preds))
-    natural = natural_canary(len(preds), seed=seed)
-    natural_grad = per_example_grads(
-        reference, prepare_examples(preds[natural : natural + 1]), kind="nll"
-    )
-    max_clip = max_clip_nll_canary(reference, clip_norm=clip_norm)
-    source = int(np.argmax(max_clip))
-    canaries = [
-        LambdaCanary(
-            name="natural",
-            preds=preds,
-            index=natural,
-            direction=logit_direction(np.asarray(natural_grad[0])),
-        ),
-        LambdaCanary(
-            name="max_clip",
-            preds=np.vstack([preds, max_clip]),
-            index=len(preds),
-            direction=logit_direction(-max_clip / reference[source]),
-        ),
-    ]
-    return canaries, reference
-
-
-def lambda_scores(
-    canary: LambdaCanary,
-    *,
-    steps: int,
-    learning_rate: float,
-    clip_norm: float,
-    shift: str,
-    noise_multiplier: float,
-    rate: float,
-    expected_batch_size: float,
-    seeds: np.ndarray,
-    present: bool,
-    chunk: int,
-    known_batches_seed: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Scores of `len(seeds)` DP-MixMin runs with (`present`) or without the canary.
-
-    Each run is `mixmin_trials` with T = `steps`, η = `learning_rate`, C = `clip_norm` and the
-    gradient `shift`, over `chunk` trials at a time; batches come from `sample_trial_batches`
-    (see there for `known_batches_seed`). Returns the scores and the released weights
-    `(trials, k)`.
-
-    Privacy: an audit tool; each trial is one DP-MixMin run on the (audit) data `canary.preds`.
-    """
-    examples = prepare_examples(canary.preds)
-    weights = []
-    for part in seed_chunks(seeds, chunk):
-        batches, masks = sample_trial_batches(
-            part,
-            rate=rate,
-            num_units=len(canary.preds),
-            steps=steps,
-            canary=canary.index,
-            present=present,
-            known_batches_seed=known_batches_seed,
-        )
-        trace = mixmin_trials(
-            examples,
-            jnp.asarray(batches),
-            jnp.asarray(masks),
-            jnp.asarray(part, dtype=jnp.uint32),
-            noise_multiplier,
-            expected_batch_size,
-            learning_rate,
-            clip_norm=clip_norm,
-            shift=shift,
-        )
-        weights.append(np.asarray(trace.weights))
-    weights = np.concatenate(weights)
-    return logit_score(weights, canary.direction), weights
-
-
-# --------------------------------------------------------------------------------------------
 # DP-SGD.
 # --------------------------------------------------------------------------------------------
 
@@ -261,12 +110,6 @@ def logistic_loss(params, example):
     """Binary cross-entropy of a logistic regression on one example."""
     logit = example["x"] @ params["w"] + params["b"]
     return jax.nn.softplus(logit) - example["y"] * logit
-
-
-def digits_task() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: 1797 inputs in [0, 1]^64, label 1 for digits >= 5."""
-    digits = load_digits()
-    return (digits.data / 16.0).astype(np.float32), (digits.target >= 5).astype(np.float32)
 
 
 def dpsgd_trials(
