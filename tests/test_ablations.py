@@ -131,3 +131,9 @@ def test_report_check_covers_the_docs_page(tmp_path, monkeypatch, capsys):
     assert "docs/ablations.md: table ablations (ablation_composition)" in capsys.readouterr().err
     assert cli.main(["report"]) == 0
     assert page.read_text() == text
+
+
+def test_ablation_views_refuse_another_results_file():
+    other = json.loads((ROOT / "docs" / "results" / "demo-image.json").read_text())
+    with pytest.raises(ValueError, match=r"demo-image\.json has no 'settings'"):
+        report.render("ablation_proxy", other, "docs/results/demo-image.json")

@@ -196,6 +196,11 @@ def render(view: str, results: dict[str, Any], source: str) -> str:
     """The markdown of one VIEW of a results file (`source` is how the text names the file)."""
     if view not in VIEWS:
         raise ValueError(f"unknown table view {view!r}; choose from {sorted(VIEWS)}.")
+    if view.startswith("ablation_") and not {"settings", "runs", "seeds"} <= results.keys():
+        raise ValueError(
+            f"table view {view!r} needs the ablations.json of experiments.ablations; {source} "
+            "has no 'settings', 'runs' and 'seeds'."
+        )
     return VIEWS[view](results, source)
 
 
