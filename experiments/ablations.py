@@ -1,13 +1,16 @@
 """ρ, proxy-budget and composition ablations of DP-MixMin.
 
-See `experiments/configs/ablations.py` for the command and the paper's numbers.
+See `experiments/configs/ablations.py` for the command, the settings and the paper's numbers.
+Writes `ablations.json` (every run, with the accountants' spent ε, and the run's provenance) and
+`ablations.md` (the three tables, rendered by `pipeline.report`) to `--out`; the stages of every
+setting share one store under `--out/stages`, so a setting equal to another is run once.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
+import time
 
 import numpy as np
 
@@ -17,16 +20,19 @@ from dpmix_jax.cli import (
     experiment_main,
     experiment_parser,
 )
-from dpmix_jax.pipeline import ImagePipeline, presets
-from dpmix_jax.privacy import SEEDED_NOTE
-from experiments.configs.ablations import AblationConfig, get_config
+from dpmix_jax.pipeline import ImagePipeline, presets, report
+from dpmix_jax.pipeline.common import use_compilation_cache
+from dpmix_jax.pipeline.compare import provenance
+from experiments.configs.ablations import AblationConfig, Setting, get_config
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.cxr import real_tasks
+
+VIEWS = ("ablation_rho", "ablation_proxy", "ablation_composition")
 
 
 def _task(config: AblationConfig, roots: dict[str, pathlib.Path]):
     if config.data == "digits":
-        return presets.digit_task()
+        return presets.digit_task(image_size=config.image_size)
     cxr_config = CxrExperimentConfig(
         public=config.data, pipeline=config.pipeline, tasks=("Atelectasis",)
     )
@@ -34,8 +40,36 @@ def _task(config: AblationConfig, roots: dict[str, pathlib.Path]):
     return task
 
 
-def _utilities(pipeline: ImagePipeline, method: str, config: AblationConfig) -> list[float]:
-    return [pipeline.run(method, config.epsilon, seed).utility for seed in config.seeds]
+class _ReuseCounter:
+    """Counts the runs a pipeline read back from the stage store (a `ProgressListener`)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def stage(self, name: str) -> None:
+        pass
+
+    def step(self, done: int, total: int) -> None:
+        pass
+
+    def reused(self, name: str) -> None:
+        self.count += 1
+
+
+def _setting_json(setting: Setting, public_size: int) -> dict:
+    pipeline = setting.pipeline
+    return {
+        "study": setting.study,
+        "setting": setting.label,
+        "method": setting.method,
+        "composition": pipeline.composition,
+        "mix_fraction": pipeline.mix_fraction,
+        "sequential_mixture_share": pipeline.sequential_mixture_share,
+        "mixture_batch_size": pipeline.mixture.batch_size,
+        "mixture_steps": pipeline.mixture.steps,
+        "proxy_steps": pipeline.proxy.steps,
+        "proxy_epochs": pipeline.proxy.steps * pipeline.proxy.batch_size / public_size,
+    }
 
 
 def main(
@@ -45,79 +79,89 @@ def main(
     reproducible: bool = False,
     **roots: pathlib.Path,
 ) -> dict:
-    """Runs the three studies; writes `ablations.json` and `ablations.md` to `out_dir`."""
+    """Runs every setting of the three studies for every seed; writes `ablations.json` and
+    `ablations.md` to `out_dir` and returns the JSON's content.
+
+    Privacy: every run's spent ε is the one its accountants report for what ran (stored per run
+    with its per-stage ε); with `reproducible` the seeds drive the private randomness.
+    """
+    out_dir = pathlib.Path(out_dir)
+    use_compilation_cache(out_dir / "xla_cache")
     task = _task(config, roots)
-    rows: list[tuple[str, str, list[float]]] = []
-
-    def study(name: str, setting: str, pipeline_config, method: str = "dp_mixmin") -> None:
-        root = out_dir / name / setting.replace(" ", "_").replace("=", "")
-        pipeline = ImagePipeline(task, pipeline_config, root, reproducible=reproducible)
-        rows.append((name, setting, _utilities(pipeline, method, config)))
-        mean = np.mean(rows[-1][2])
-        print(f"{name:>12} {setting:<24} {mean:.4f}", flush=True)
-
-    base = config.pipeline
-    study("baseline", "uniform", base, method="uniform")
-    for rho in config.mix_fractions:
-        study("rho", f"rho={rho:g}", dataclasses.replace(base, mix_fraction=rho))
-    for steps in config.proxy_steps:
-        proxy = dataclasses.replace(base.proxy, steps=steps)
-        study("proxy", f"proxy_steps={steps}", dataclasses.replace(base, proxy=proxy))
-    study("composition", "parallel", dataclasses.replace(base, composition="parallel"))
-    study("composition", "sequential 0.1/0.9", dataclasses.replace(base, composition="sequential"))
-    study("composition", "non-private MixMin", base, method="nonprivate_mixmin")
-
-    results = [
-        {
-            "study": s,
-            "setting": t,
-            "utilities": u,
-            "mean": float(np.mean(u)),
-            "std": float(np.std(u)),
-        }
-        for s, t, u in rows
-    ]
+    start = time.perf_counter()
+    counter = _ReuseCounter()
+    settings, runs = [], []
+    for setting in config.settings():
+        settings.append(_setting_json(setting, len(task.public)))
+        pipeline = ImagePipeline(
+            task, setting.pipeline, out_dir / "stages", reproducible=reproducible
+        )
+        pipeline.add_listener(counter)
+        utilities = []
+        for seed in config.seeds:
+            run = pipeline.run(setting.method, config.epsilon, seed).to_json()
+            mixture_rows = pipeline.split(seed)[0] if setting.method == "dp_mixmin" else None
+            runs.append(
+                {
+                    "study": setting.study,
+                    "setting": setting.label,
+                    "mixture_examples": None if mixture_rows is None else len(mixture_rows),
+                    **run,
+                }
+            )
+            utilities.append(run["utility"])
+        print(f"{setting.study:>12} {setting.label:<24} {np.mean(utilities):.4f}", flush=True)
+    results = {
+        "dataset": task.name,
+        "metric": "test AUC",
+        "higher_is_better": True,
+        "epsilon": config.epsilon,
+        "delta": config.pipeline.delta,
+        "seeds": list(config.seeds),
+        "noise_seeded": reproducible,
+        "settings": settings,
+        "runs": runs,
+        "seconds": time.perf_counter() - start,
+        "reused_runs": counter.count,
+        "provenance": provenance(),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ablations.json").write_text(json.dumps(results, indent=1, default=float))
-    lines = [
-        f"# DP-MixMin ablations on {task.name}, ε = {config.epsilon:g}, "
-        f"{len(config.seeds)} seeds (test AUC)",
-        "",
-        "| study | setting | AUC (mean ± std) |",
-        "|---|---|---|",
-    ]
-    lines += [
-        f"| {r['study']} | {r['setting']} | {r['mean']:.4f} ± {r['std']:.4f} |" for r in results
-    ]
-    lines += ["", SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."]
-    (out_dir / "ablations.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return {"results": results}
+    (out_dir / "ablations.json").write_text(json.dumps(results, indent=1) + "\n")
+    source = (out_dir / "ablations.json").name
+    tables = "\n".join(report.render(view, results, source) for view in VIEWS)
+    (out_dir / "ablations.md").write_text(tables)
+    print(tables)
+    return results
+
+
+def cli() -> None:
+    parser = experiment_parser("ablations", __doc__.splitlines()[0], examples=("--preset cpu",))
+    parser.add_argument(
+        "--preset",
+        choices=("cpu", "tiny", "paper"),
+        default="cpu",
+        help="cpu: the digit tasks (offline); tiny: a one-minute check of the wiring; paper: "
+        "NIH with CheXpert as public data",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/ablations"),
+        metavar="DIR",
+        help="output folder: ablations.json, ablations.md, stages/",
+    )
+    add_chest_xray_roots(parser, public="chexpert")
+    add_reproducible_flag(parser, seeds="the config's seeds")
+    args = parser.parse_args()
+    main(
+        get_config(args.preset),
+        args.out,
+        reproducible=args.reproducible,
+        nih_root=args.nih_root,
+        public_root=args.public_root,
+    )
 
 
 if __name__ == "__main__":
     with experiment_main("ablations"):
-        parser = experiment_parser("ablations", __doc__.splitlines()[0], examples=("--preset cpu",))
-        parser.add_argument(
-            "--preset",
-            choices=("cpu", "paper"),
-            default="cpu",
-            help="cpu: the digit tasks (offline); paper: NIH with CheXpert as public data",
-        )
-        parser.add_argument(
-            "--out",
-            type=pathlib.Path,
-            default=pathlib.Path("runs/ablations"),
-            metavar="DIR",
-            help="output folder: ablations.json, ablations.md, stages/",
-        )
-        add_chest_xray_roots(parser, public="chexpert")
-        add_reproducible_flag(parser, seeds="the config's seeds")
-        args = parser.parse_args()
-        main(
-            get_config(args.preset),
-            args.out,
-            reproducible=args.reproducible,
-            nih_root=args.nih_root,
-            public_root=args.public_root,
-        )
+        cli()

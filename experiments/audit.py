@@ -7,19 +7,20 @@ no-noise control (σ = 0) must show leakage far above it, which proves that the 
 
 - λ audit: DP-MixMin (`dp_mixmin`, mirror descent) on synthetic `nll` proxy outputs of k sources.
   `dp_mixmin` calibrates σ for the run and reports the claimed ε; the trials then vmap its jitted
-  core `run_mirror_descent` over noise keys and Poisson batches. By default a "with" trial with
-  seed s is exactly `dp_mixmin(data with canary, seed=s)`; its "without" twin uses the same
-  public rate q and normaliser b with the canary's row removed from every batch (the add/remove
-  neighbour the accountant analyses). With `known_batches`, trials share the other rows' batches
-  (`sample_trial_batches`). The table's σ and q are those of the max-clip data set (n + 1 rows).
-  Canaries: a natural one (a random real row) and a max-clip one
-  (`max_clip_nll_canary`, built at the non-private MixMin optimum, which the adversary may know).
-  Score: the released log-weights along the canary's logit direction (`logit_score`).
+  core `run_mirror_descent` over noise keys and Poisson batches (`mixing.audit`). By
+  default a "with" trial with seed s is exactly `dp_mixmin(data with canary, seed=s)`; its
+  "without" twin uses the same public rate q and normaliser b with the canary's row removed from
+  every batch (the add/remove neighbour the accountant analyses). With `known_batches`, trials
+  share the other rows' batches (`audit_runs.sample_trial_batches`). The table's σ and q are
+  those of the max-clip data set (n + 1 rows). Canaries: a natural one (a random real row) and a
+  max-clip one (`max_clip_nll_canary`, built at the non-private MixMin optimum, which the
+  adversary may know). Score: the released log-weights along the canary's logit direction
+  (`logit_score`).
 - DP-SGD audit: binary logistic regression (digit >= 5) on scikit-learn's digits, DP-SGD from the
-  privacy core (`clipped_grad_sum`, `private_optimizer`), vmapped over trials. Canaries: a dirac
-  gradient canary on the parameter that the data moves least (score: that parameter), and an
-  input-space outlier with a flipped label (score: the model's logit for the flipped label at
-  the outlier minus its logit at 0).
+  privacy core (`clipped_grad_sum`, `private_optimizer`), vmapped over trials
+  (`audit_runs.dpsgd_trials`). Canaries: a dirac gradient canary on the parameter that the data
+  moves least (score: that parameter), and an input-space outlier with a flipped label (score:
+  the model's logit for the flipped label at the outlier minus its logit at 0).
 
 The other releases (one-run DP-SGD audits at example and user level, a canary user, the
 end-to-end pipeline, the Hot PATE aggregators) and the white-box tightness check are in
@@ -32,75 +33,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import pathlib
 import time
-from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
 from dpmix_jax.cli import experiment_main, experiment_parser
-from dpmix_jax.mixing import dp_mixmin, mixmin, per_example_grads, prepare_examples
-from dpmix_jax.mixing.solvers import run_mirror_descent
-from dpmix_jax.privacy import audit, clipping, noise, plan, sampling
-from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, MixMinAuditConfig, get_config
-
-PAD_MULTIPLE = 32
-
+from dpmix_jax.mixing import audit as mixmin_audit
+from dpmix_jax.mixing import dp_mixmin
+from dpmix_jax.privacy import audit, audit_runs, plan
+from experiments import audit_releases
+from experiments.configs.audit import AuditConfig, get_config
 
 # --------------------------------------------------------------------------------------------
-# Shared: Poisson batches for many trials, and the bound.
+# Shared: the bound.
 # --------------------------------------------------------------------------------------------
-
-
-def sample_trial_batches(
-    seeds: Sequence[int],
-    *,
-    rate: float,
-    num_units: int,
-    steps: int,
-    canary: int,
-    present: bool,
-    known_batches_seed: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Poisson batches `(trials, T, B)` and masks for audit trials with or without the canary.
-
-    By default trial i is drawn as `dp_mixmin(seed=seeds[i])` draws its batches:
-    `PoissonSampler(rate).sample_steps(default_rng(seed), num_units, steps)`, padded with -1 to
-    the largest batch of all trials; without the canary (`present=False`), the `canary` unit is
-    masked out of every batch (the same mechanism, at the same public rate, on the data set
-    without it).
-
-    With `known_batches_seed`, the other units' batches are drawn once from that seed and shared
-    by every trial, and only the canary's inclusion (Bernoulli(rate) per step, from the trial's
-    seed) and the noise vary: an adversary who knows every other unit's sampling. The
-    Poisson-subsampled Gaussian accountant covers this adversary too: its analysis conditions on
-    the other units' inclusions, and only the differing unit's is secret.
-    """
-    sampler = sampling.PoissonSampler(sampling_rate=rate, pad_multiple=PAD_MULTIPLE)
-    if known_batches_seed is None:
-        draws = [sampler.sample_steps(np.random.default_rng(s), num_units, steps) for s in seeds]
-        size = max(d.indices.shape[1] for d in draws)
-        indices = np.full((len(draws), steps, size), sampling.PADDING_INDEX, dtype=np.int32)
-        for row, draw in zip(indices, draws, strict=True):
-            row[:, : draw.indices.shape[1]] = draw.indices
-        if not present:
-            indices[indices == canary] = sampling.PADDING_INDEX
-        return indices, indices != sampling.PADDING_INDEX
-    others = sampler.sample_steps(np.random.default_rng(known_batches_seed), num_units, steps)
-    others = np.where(others.indices == canary, sampling.PADDING_INDEX, others.indices)
-    included = np.stack([np.random.default_rng(s).random(steps) < rate for s in seeds])
-    column = np.where(included & present, canary, sampling.PADDING_INDEX)
-    indices = np.concatenate(
-        [np.broadcast_to(others, (len(seeds), *others.shape)), column[..., None]], axis=-1
-    ).astype(np.int32)
-    return indices, indices != sampling.PADDING_INDEX
 
 
 def _bound(with_: np.ndarray, without: np.ndarray, delta: float, config: AuditConfig) -> float:
@@ -117,10 +68,6 @@ def _bound(with_: np.ndarray, without: np.ndarray, delta: float, config: AuditCo
 
 def _known_batches_seed(config: AuditConfig) -> int | None:
     return config.seed + 1 if config.known_batches else None
-
-
-def _chunks(seeds: np.ndarray, size: int) -> list[np.ndarray]:
-    return [seeds[i : i + size] for i in range(0, len(seeds), size)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,132 +87,6 @@ def synthetic_proxy_outputs(num_examples: int, num_sources: int, seed: int) -> n
     return preds
 
 
-@functools.partial(jax.jit, static_argnames=("clip_norm", "shift"))
-def mixmin_trials(
-    examples: dict[str, jax.Array],
-    batches: jax.Array,
-    masks: jax.Array,
-    seeds: jax.Array,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    learning_rate: float,
-    *,
-    clip_norm: float,
-    shift: str,
-):
-    """`run_mirror_descent` vmapped over trials: batches/masks `(trials, T, B)`, seeds `(trials,)`.
-
-    Trial i's noise key is `jax.random.key(seeds[i])`, as in `dp_mixmin(seed=seeds[i])`.
-
-    Privacy: an audit tool; each trial is one DP-MixMin run on the given (audit) data.
-    """
-
-    def one(indices, mask, seed):
-        return run_mirror_descent(
-            examples,
-            indices,
-            mask,
-            jax.random.key(seed),
-            kind="nll",
-            clip_norm=clip_norm,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected_batch_size,
-            learning_rate=learning_rate,
-            shift=shift,
-        )
-
-    return jax.vmap(one)(batches, masks, seeds)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LambdaCanary:
-    """A λ-audit canary: the "with" data set, the canary's row index in it, its logit direction."""
-
-    name: str
-    preds: np.ndarray
-    index: int
-    direction: np.ndarray
-
-
-def lambda_canaries(
-    preds: np.ndarray, *, clip_norm: float, seed: int
-) -> tuple[list[LambdaCanary], np.ndarray]:
-    """The natural and max-clip canaries for a proxy-output matrix, and the reference λ*.
-
-    Both directions are taken at λ* = non-private MixMin on `preds` (the audit's adversary knows
-    every other example).
-
-    Privacy: not private (an audit tool, it reads the whole data set).
-    """
-    reference = np.asarray(mixmin(preds))
-    natural = audit.natural_canary(len(preds), seed=seed)
-    natural_grad = per_example_grads(
-        reference, prepare_examples(preds[natural : natural + 1]), kind="nll"
-    )
-    max_clip = audit.max_clip_nll_canary(reference, clip_norm=clip_norm)
-    source = int(np.argmax(max_clip))
-    canaries = [
-        LambdaCanary(
-            name="natural",
-            preds=preds,
-            index=natural,
-            direction=audit.logit_direction(np.asarray(natural_grad[0])),
-        ),
-        LambdaCanary(
-            name="max_clip",
-            preds=np.vstack([preds, max_clip]),
-            index=len(preds),
-            direction=audit.logit_direction(-max_clip / reference[source]),
-        ),
-    ]
-    return canaries, reference
-
-
-def lambda_scores(
-    canary: LambdaCanary,
-    settings: MixMinAuditConfig,
-    *,
-    noise_multiplier: float,
-    rate: float,
-    expected_batch_size: float,
-    seeds: np.ndarray,
-    present: bool,
-    chunk: int,
-    known_batches_seed: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Scores of `len(seeds)` DP-MixMin runs with (`present`) or without the canary.
-
-    Batches come from `sample_trial_batches` (see there for `known_batches_seed`). Returns the
-    scores and the released weights `(trials, k)`.
-    """
-    examples = prepare_examples(canary.preds)
-    weights = []
-    for part in _chunks(seeds, chunk):
-        batches, masks = sample_trial_batches(
-            part,
-            rate=rate,
-            num_units=len(canary.preds),
-            steps=settings.steps,
-            canary=canary.index,
-            present=present,
-            known_batches_seed=known_batches_seed,
-        )
-        trace = mixmin_trials(
-            examples,
-            jnp.asarray(batches),
-            jnp.asarray(masks),
-            jnp.asarray(part, dtype=jnp.uint32),
-            noise_multiplier,
-            expected_batch_size,
-            settings.learning_rate,
-            clip_norm=settings.clip_norm,
-            shift=settings.shift,
-        )
-        weights.append(np.asarray(trace.weights))
-    weights = np.concatenate(weights)
-    return audit.logit_score(weights, canary.direction), weights
-
-
 def audit_lambda(config: AuditConfig) -> list[dict]:
     """The λ audit: a row per (task, claimed ε), with ε_LB per canary with and without noise."""
     settings = config.mixmin
@@ -275,7 +96,7 @@ def audit_lambda(config: AuditConfig) -> list[dict]:
         preds = synthetic_proxy_outputs(
             settings.mixture_size, settings.num_sources, seed=config.seed + task
         )
-        canaries, reference = lambda_canaries(
+        canaries, reference = mixmin_audit.lambda_canaries(
             preds, clip_norm=settings.clip_norm, seed=config.seed + task
         )
         for eps in settings.epsilons:
@@ -301,9 +122,12 @@ def audit_lambda(config: AuditConfig) -> list[dict]:
                     scores = {}
                     for present in (True, False):
                         seeds = rng.integers(2**31 - 1, size=config.trials)
-                        scores[present], weights = lambda_scores(
+                        scores[present], weights = mixmin_audit.lambda_scores(
                             canary,
-                            settings,
+                            steps=settings.steps,
+                            learning_rate=settings.learning_rate,
+                            clip_norm=settings.clip_norm,
+                            shift=settings.shift,
                             noise_multiplier=sigma,
                             rate=run.sampling_rate,
                             expected_batch_size=run.expected_batch_size,
@@ -331,79 +155,23 @@ def _max_clip_reach(weights: np.ndarray, reference: np.ndarray, settings) -> flo
 # --------------------------------------------------------------------------------------------
 
 
-def logistic_loss(params, example):
-    """Binary cross-entropy of a logistic regression on one example."""
-    logit = example["x"] @ params["w"] + params["b"]
-    return jax.nn.softplus(logit) - example["y"] * logit
-
-
-def digits_task() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's digits: 1797 inputs in [0, 1]^64, label 1 for digits >= 5."""
-    digits = load_digits()
-    return (digits.data / 16.0).astype(np.float32), (digits.target >= 5).astype(np.float32)
-
-
-def make_dpsgd_trials(
-    loss: Callable,
-    settings: DpSgdAuditConfig,
-    *,
-    noise_multiplier: float,
-    expected_batch_size,
-    user_level: bool = False,
-    params_per_trial: bool = False,
-) -> Callable:
-    """A jitted `(data, params0, batches, masks, seeds) -> params after each step` over trials.
-
-    Each trial is DP-SGD from the privacy core: clipped gradient sum, noise N(0, σ²C²) with key
-    `jax.random.key(seed)`, division by the public b, plain SGD. Batches are `(trials, T, B)`
-    example indices, or `(trials, T, U, G)` per-user example indices with `user_level` (each
-    user's mean gradient is clipped). `params0` is shared, or one per trial (leading axis) with
-    `params_per_trial`. Returns params with leading axes `(trials, T)`.
-
-    Privacy: an audit tool; each trial is one DP-SGD run on the given (audit) data.
-    """
-    make_sum = clipping.user_clipped_grad_sum if user_level else clipping.clipped_grad_sum
-    grad_sum = make_sum(loss, clip_norm=settings.clip_norm)
-
-    def one(data, params, indices, mask, seed):
-        optimizer = noise.private_optimizer(
-            optax.sgd(settings.learning_rate),
-            noise_multiplier=noise_multiplier,
-            sensitivity=grad_sum.sensitivity(),
-            expected_batch_size=expected_batch_size,
-            key=jax.random.key(seed),
-        )
-        step = noise.make_dp_sgd_step(grad_sum, optimizer)
-
-        def body(carry, xs):
-            params, state = carry
-            batch = jax.tree.map(lambda x: x[jnp.maximum(xs[0], 0)], data)
-            params, state, _ = step(params, state, batch, xs[1])
-            return (params, state), params
-
-        _, history = jax.lax.scan(body, (params, optimizer.init(params)), (indices, mask))
-        return history
-
-    return jax.jit(jax.vmap(one, in_axes=(None, 0 if params_per_trial else None, 0, 0, 0)))
-
-
 def audit_dpsgd(config: AuditConfig) -> list[dict]:
     """The DP-SGD audit: one row per claimed ε with ε_LB for each canary, with and without noise."""
     settings = config.dpsgd
     rng = np.random.default_rng(config.seed + 1)
-    x, y = digits_task()
+    x, y = audit_releases.digits_task()
     n, dim = x.shape
     params0 = {"w": jnp.zeros(dim, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     base = {"x": x, "y": y, "is_canary": np.zeros(n, bool)}
 
     # Dirac canary on the parameter with the least gradient signal in the data.
-    grads = jax.vmap(jax.grad(logistic_loss), in_axes=(None, 0))(params0, base)
+    grads = jax.vmap(jax.grad(audit_runs.logistic_loss), in_axes=(None, 0))(params0, base)
     flat = np.concatenate([np.asarray(grads["b"])[:, None], np.asarray(grads["w"])], axis=1)
     coordinate = int(np.argmin(np.mean(flat**2, axis=0)))  # position in ravel order (b, w)
     canary_grad = audit.dirac_canary_gradient(
         params0, index=coordinate, clip_norm=settings.clip_norm
     )
-    loss = audit.with_gradient_canary(logistic_loss, canary_grad)
+    loss = audit.with_gradient_canary(audit_runs.logistic_loss, canary_grad)
 
     # Input-space canary: an outlier with the label a clean model finds least likely.
     outlier = audit.outlier_input(x, scale=settings.canary_scale).astype(np.float32)
@@ -444,9 +212,10 @@ def audit_dpsgd(config: AuditConfig) -> list[dict]:
             "accounted_epsilon": dp_plan.spent().epsilon,
         }
         for label, sigma in (("", dp_plan.noise_multiplier), ("no_noise_", 0.0)):
-            run = make_dpsgd_trials(
+            run = audit_runs.dpsgd_trials(
                 loss,
-                settings,
+                clip_norm=settings.clip_norm,
+                learning_rate=settings.learning_rate,
                 noise_multiplier=sigma,
                 expected_batch_size=dp_plan.expected_batch_size,
             )
@@ -456,8 +225,8 @@ def audit_dpsgd(config: AuditConfig) -> list[dict]:
                 for present in (True, False):
                     seeds = rng.integers(2**31 - 1, size=config.trials)
                     parts = []
-                    for part in _chunks(seeds, config.chunk):
-                        batches, masks = sample_trial_batches(
+                    for part in audit_runs.seed_chunks(seeds, config.chunk):
+                        batches, masks = audit_runs.sample_trial_batches(
                             part,
                             rate=dp_plan.sampling_rate,
                             num_units=n + 1,
@@ -706,8 +475,6 @@ def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
         `{"mixmin", "dpsgd", "releases", "summary", "seconds", "violations"}`, where a
         violation is a private ε_LB (any method, tightness included) above the claimed ε.
     """
-    from experiments import audit_releases
-
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()

@@ -42,15 +42,15 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
+from sklearn.datasets import load_digits
+from sklearn.linear_model import LogisticRegression
 
-from dpmix_jax.mixing import prepare_examples
+from dpmix_jax.mixing import audit as mixmin_audit
+from dpmix_jax.mixing import mixmin, prepare_examples
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pate import aggregators
-from dpmix_jax.privacy import audit, plan
-from dpmix_jax.privacy import noise as dp_noise
+from dpmix_jax.privacy import audit, audit_runs, plan
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum
-from experiments import audit as runner
 from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, ReleaseAuditConfig
 
 # --------------------------------------------------------------------------------------------
@@ -58,45 +58,11 @@ from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, ReleaseAudi
 # --------------------------------------------------------------------------------------------
 
 
-def poisson_masks(rng: np.random.Generator, trials: int, steps: int, units: int, rate: float):
-    """`(trials, steps, units)` Poisson inclusion masks (each unit, each step, probability q)."""
-    return rng.random((trials, steps, units)) < rate
-
-
-def transcript_llr(observations: np.ndarray, *, rate: float, noise_multiplier: float):
-    """Log-likelihood ratio of `(trials, T)` observations y_t ~ N(b_t, σ²), b_t ~ Bern(q) vs 0."""
-    z = (2 * observations - 1) / (2 * noise_multiplier**2)
-    with np.errstate(divide="ignore"):
-        return np.logaddexp(np.log1p(-rate), math.log(rate) + z).sum(axis=-1)
-
-
-def pilot_then_bound(pilot, main, delta: float, confidence: float) -> audit.LowerBound:
-    """Chooses the test on pilot scores, then evaluates it once on the main scores.
-
-    Each candidate threshold (pilot quantiles, both directions) is scored by the bound it would
-    give if the main sample had the pilot's TPR and FPR; the best one is evaluated on `main`
-    with `epsilon_lower_bound_at`. The choice sees only the pilot, so the bound stays valid.
-    """
-    with_, without = (np.sort(np.asarray(s, np.float64)) for s in pilot)
-    n_with, n_without = (len(s) for s in main)
-    alpha = (1 - confidence) / 2
-    thresholds = np.unique(np.quantile(np.concatenate([with_, without]), np.linspace(0, 1, 4001)))
-    best = (-np.inf, None, None)
-    for direction in ("greater", "less"):
-        tpr = 1 - np.searchsorted(with_, thresholds, side="left") / len(with_)
-        fpr = 1 - np.searchsorted(without, thresholds, side="left") / len(without)
-        if direction == "less":
-            tpr, fpr = 1 - tpr, 1 - fpr
-        tpr_low, _ = audit.clopper_pearson(np.round(tpr * n_with), n_with, alpha=alpha)
-        _, fpr_high = audit.clopper_pearson(np.round(fpr * n_without), n_without, alpha=alpha)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            projected = np.log(np.maximum(tpr_low - delta, 0) / fpr_high)
-        i = int(np.nanargmax(projected))
-        if projected[i] > best[0]:
-            best = (projected[i], thresholds[i], direction)
-    return audit.epsilon_lower_bound_at(
-        *main, threshold=best[1], direction=best[2], delta=delta, confidence=confidence
-    )
+def digits_task() -> tuple[np.ndarray, np.ndarray]:
+    """The audits' task: scikit-learn's digits, 1797 inputs in [0, 1]^64, label 1 for digits
+    >= 5 (also the DP-SGD audit's of `experiments.audit`)."""
+    digits = load_digits()
+    return (digits.data / 16.0).astype(np.float32), (digits.target >= 5).astype(np.float32)
 
 
 def _sgd_settings(release, steps: int, batch: float, learning_rate: float) -> DpSgdAuditConfig:
@@ -130,7 +96,7 @@ def dirac_loss(clip_norm: float, offset: int):
 
     def loss(params, example):
         canary = -clip_norm * params["w"][offset + example["coord"]]
-        return jnp.where(example["is_canary"], canary, runner.logistic_loss(params, example))
+        return jnp.where(example["is_canary"], canary, audit_runs.logistic_loss(params, example))
 
     return loss
 
@@ -153,16 +119,17 @@ def _dpsgd_transcripts(release, noise_multiplier, expected_batch, present, seeds
         "coord": np.zeros(units, np.int32),
     }
     settings = _sgd_settings(release, steps, expected_batch, release.tight_learning_rate)
-    run = runner.make_dpsgd_trials(
+    run = audit_runs.dpsgd_trials(
         dirac_loss(release.clip_norm, offset=2),
-        settings,
+        clip_norm=settings.clip_norm,
+        learning_rate=settings.learning_rate,
         noise_multiplier=noise_multiplier,
         expected_batch_size=expected_batch,
     )
     params0 = {"w": jnp.zeros(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     out, start = [], 0
-    for part in runner._chunks(seeds, release.chunk):
-        masks = poisson_masks(rng, len(part), steps, units, rate)
+    for part in audit_runs.seed_chunks(seeds, release.chunk):
+        masks = audit_runs.poisson_masks(rng, len(part), steps, units, rate)
         masks[..., -1] &= present[start : start + len(part), None]
         start += len(part)
         batches = np.broadcast_to(np.arange(units, dtype=np.int32), masks.shape)
@@ -181,12 +148,12 @@ def _mixmin_transcripts(release, noise_multiplier, expected_batch, present, seed
     direction = audit.logit_direction(-canary * k)
     examples = prepare_examples(preds)
     out, start = [], 0
-    for part in runner._chunks(seeds, release.chunk):
-        masks = poisson_masks(rng, len(part), steps, units, rate)
+    for part in audit_runs.seed_chunks(seeds, release.chunk):
+        masks = audit_runs.poisson_masks(rng, len(part), steps, units, rate)
         masks[..., -1] &= present[start : start + len(part), None]
         start += len(part)
         batches = np.broadcast_to(np.arange(units, dtype=np.int32), masks.shape)
-        trace = runner.mixmin_trials(
+        trace = mixmin_audit.mixmin_trials(
             examples,
             jnp.asarray(batches),
             jnp.asarray(masks),
@@ -206,12 +173,6 @@ def _mixmin_transcripts(release, noise_multiplier, expected_batch, present, seed
 
 
 TRANSCRIPTS = {"DP-SGD": _dpsgd_transcripts, "DP-MixMin λ": _mixmin_transcripts}
-
-
-def claimed_transcripts(rng, trials: int, steps: int, *, rate: float, noise_multiplier: float):
-    """`(trials, T)` draws of the claimed mechanism's transcript with and without the canary."""
-    noise = noise_multiplier * rng.normal(size=(2, trials, steps))
-    return (rng.random((trials, steps)) < rate) + noise[0], noise[1]
 
 
 def tightness(config: AuditConfig) -> list[dict]:
@@ -236,16 +197,19 @@ def tightness(config: AuditConfig) -> list[dict]:
                 present = np.arange(2 * trials) < trials  # the first half has the canary
                 seeds = rng.integers(2**31 - 1, size=2 * trials).astype(np.uint32)
                 y = transcripts(release, noise, batch, present, seeds, rng)
-                llr = transcript_llr(y, rate=rate, noise_multiplier=sigma)
+                llr = audit_runs.transcript_llr(y, rate=rate, noise_multiplier=sigma)
                 runs = (llr[:trials], llr[trials:])
                 if noise:
-                    claimed = claimed_transcripts(
+                    claimed = audit_runs.claimed_transcripts(
                         rng, release.tight_pilot, steps, rate=rate, noise_multiplier=sigma
                     )
                     pilot = tuple(
-                        transcript_llr(c, rate=rate, noise_multiplier=sigma) for c in claimed
+                        audit_runs.transcript_llr(c, rate=rate, noise_multiplier=sigma)
+                        for c in claimed
                     )
-                    bound = pilot_then_bound(pilot, runs, release.delta, config.confidence)
+                    bound = audit_runs.pilot_then_bound(
+                        pilot, runs, release.delta, config.confidence
+                    )
                 else:
                     bound = audit.epsilon_lower_bound(*runs, delta=release.delta)
                 row[f"{label}epsilon_lb"] = bound.epsilon
@@ -297,7 +261,7 @@ def dpsgd_one_run(config: AuditConfig, *, user_level: bool) -> dict:
     rng = np.random.default_rng(config.seed + (11 if user_level else 13))
     group = release.examples_per_user if user_level else 1
     m = release.one_run_canaries
-    data, users, n, dim = _with_canaries(*runner.digits_task(), m, group)
+    data, users, n, dim = _with_canaries(*digits_task(), m, group)
     included = rng.random(m) < 0.5
     unit_ids = np.unique(users) if user_level else np.arange(len(users))
     unit_canary = unit_ids >= n if user_level else np.arange(len(users)) >= n
@@ -324,14 +288,15 @@ def dpsgd_one_run(config: AuditConfig, *, user_level: bool) -> dict:
         release, release.one_run_steps, dp_plan.expected_batch_size, release.learning_rate
     )
     for label, noise in (("", dp_plan.noise_multiplier), ("no_noise_", 0.0)):
-        run = runner.make_dpsgd_trials(
+        run = audit_runs.dpsgd_trials(
             dirac_loss(release.clip_norm, offset=dim),
-            settings,
+            clip_norm=settings.clip_norm,
+            learning_rate=settings.learning_rate,
             noise_multiplier=noise,
             expected_batch_size=dp_plan.expected_batch_size,
             user_level=user_level,
         )
-        step_masks = poisson_masks(
+        step_masks = audit_runs.poisson_masks(
             rng, 1, release.one_run_steps, len(unit_ids), dp_plan.sampling_rate
         )
         if user_level:
@@ -355,7 +320,7 @@ def dpsgd_user_level(config: AuditConfig) -> dict:
     release = config.releases
     rng = np.random.default_rng(config.seed + 17)
     group = release.examples_per_user
-    x, y = runner.digits_task()
+    x, y = digits_task()
     limit = release.user_examples
     data, users, n, dim = _with_canaries(x[:limit], y[:limit], 1, group)
     unit_ids = np.unique(users)
@@ -374,9 +339,10 @@ def dpsgd_user_level(config: AuditConfig) -> dict:
     row = {"release": "DP-SGD user level", "claimed_epsilon": dp_plan.spent().epsilon}
     scores_by_world = {}
     for label, noise in (("", dp_plan.noise_multiplier), ("no_noise_", 0.0)):
-        run = runner.make_dpsgd_trials(
+        run = audit_runs.dpsgd_trials(
             dirac_loss(release.clip_norm, offset=dim),
-            settings,
+            clip_norm=settings.clip_norm,
+            learning_rate=settings.learning_rate,
             noise_multiplier=noise,
             expected_batch_size=dp_plan.expected_batch_size,
             user_level=True,
@@ -387,8 +353,8 @@ def dpsgd_user_level(config: AuditConfig) -> dict:
             worlds[-1] = present
             seeds = rng.integers(2**31 - 1, size=config.trials).astype(np.uint32)
             parts = []
-            for part in runner._chunks(seeds, config.chunk):
-                step_masks = poisson_masks(
+            for part in audit_runs.seed_chunks(seeds, config.chunk):
+                step_masks = audit_runs.poisson_masks(
                     rng, len(part), steps, len(unit_ids), dp_plan.sampling_rate
                 )
                 batches, masks = _user_batches(users, worlds, step_masks, group)
@@ -451,43 +417,6 @@ def cancelling_canary_data(
     return {"x": x, "v": v}, directions
 
 
-def canary_contributions(grad_sum, params, data, rows) -> np.ndarray:
-    """||clipped sum of a batch holding only row j|| (float64) for each j in `rows`."""
-    fn = jax.jit(grad_sum)
-    out = []
-    for j in rows:
-        alone = {name: jnp.asarray(a[j : j + 1]) for name, a in data.items()}
-        total, _ = fn(params, alone, jnp.ones(1, bool))
-        out.append(np.linalg.norm(np.asarray(total["w"], np.float64)))
-    return np.asarray(out)
-
-
-def _dpsgd_run(
-    grad_sum, settings, *, noise_multiplier, expected_batch_size, data, params0, masks, seed
-):
-    """Parameters after one DP-SGD run over the full-data `(T, units)` Poisson `masks`: as
-    `runner.make_dpsgd_trials`, with a given clipped sum (such as the ghost one)."""
-    optimizer = dp_noise.private_optimizer(
-        optax.sgd(settings.learning_rate),
-        noise_multiplier=noise_multiplier,
-        sensitivity=grad_sum.sensitivity(),
-        expected_batch_size=expected_batch_size,
-        key=jax.random.key(seed),
-    )
-    step = dp_noise.make_dp_sgd_step(grad_sum, optimizer)
-
-    @jax.jit
-    def run(data, params, masks):
-        def body(carry, mask):
-            params, state, _ = step(*carry, data, mask)
-            return (params, state), None
-
-        (params, _), _ = jax.lax.scan(body, (params, optimizer.init(params)), masks)
-        return params
-
-    return run(jax.tree.map(jnp.asarray, data), params0, jnp.asarray(masks))
-
-
 def ghost_cancelling_one_run(
     config: AuditConfig, *, make_grad_sum=ghost_clipped_grad_sum, d_in: int = 8, block: int = 8
 ) -> dict:
@@ -518,7 +447,7 @@ def ghost_cancelling_one_run(
     )
     grad_sum = make_grad_sum(taped_dense_loss, clip_norm=release.clip_norm)
     params0 = {"w": jnp.zeros((d_in, block * (m + 1)), jnp.float32)}
-    contributions = canary_contributions(grad_sum, params0, data, range(n, n + m))
+    contributions = audit_runs.canary_contributions(grad_sum, params0, data, range(n, n + m))
     row = {
         "release": "DP-SGD ghost, cancelling canaries",
         "claimed_epsilon": dp_plan.spent().epsilon,
@@ -528,11 +457,11 @@ def ghost_cancelling_one_run(
     settings = _sgd_settings(release, steps, dp_plan.expected_batch_size, release.learning_rate)
     scale = dp_plan.expected_batch_size / (settings.learning_rate * release.clip_norm)
     for label, sigma in (("", dp_plan.noise_multiplier), ("no_noise_", 0.0)):
-        masks = poisson_masks(rng, 1, steps, n + m, dp_plan.sampling_rate)[0] & present
+        masks = audit_runs.poisson_masks(rng, 1, steps, n + m, dp_plan.sampling_rate)[0] & present
         seed = int(rng.integers(2**31 - 1))
-        final = _dpsgd_run(
+        final = audit_runs.dpsgd_run(
             grad_sum,
-            settings,
+            learning_rate=settings.learning_rate,
             noise_multiplier=sigma,
             expected_batch_size=dp_plan.expected_batch_size,
             data=data,
@@ -660,13 +589,13 @@ def pate(config: AuditConfig) -> list[dict]:
 def _public_sources(num_sources: int, start: int):
     """k logistic models fitted on public digits (rows >= `start`), source s on the digits with
     class ≡ s (mod k) over-represented: `(k, 64)` weights and `(k,)` biases."""
-    x, y = runner.digits_task()
-    digits = runner.load_digits().target
+    x, y = digits_task()
+    digits = load_digits().target
     weights, biases = [], []
     for s in range(num_sources):
         rows = np.arange(start, len(x))
         keep = rows[(digits[rows] % num_sources == s) | (rows % num_sources == 0)]
-        model = runner.LogisticRegression(max_iter=500).fit(x[keep], y[keep])
+        model = LogisticRegression(max_iter=500).fit(x[keep], y[keep])
         weights.append(model.coef_[0])
         biases.append(model.intercept_[0])
     return np.asarray(weights, np.float32), np.asarray(biases, np.float32)
@@ -683,7 +612,7 @@ def pipeline_setup(release: ReleaseAuditConfig, seed: int) -> dict:
     from dpmix_jax.privacy import assign_parts
 
     n, k = release.pipeline_units, release.pipeline_sources
-    x, y = runner.digits_task()
+    x, y = digits_task()
     weights, biases = _public_sources(k, start=n)
     x, y = x[:n], y[:n]
     probs = 1 / (1 + np.exp(-(x @ weights.T + biases)))
@@ -699,7 +628,7 @@ def pipeline_setup(release: ReleaseAuditConfig, seed: int) -> dict:
             f"one_run_canaries: only {len(ft_ids)} of {len(candidates)} candidate ids land in "
             f"D_ft, fewer than m = {m}."
         )
-    reference = np.asarray(runner.mixmin(preds[parts == 0]))
+    reference = np.asarray(mixmin(preds[parts == 0]))
     return {
         "preds": preds[parts == 0],
         "x": np.hstack([x[parts == 1], np.zeros((int((parts == 1).sum()), 1), np.float32)]),
@@ -732,9 +661,10 @@ def pipeline_trials(setup, release, *, canary: str, present: np.ndarray, noise, 
     settings = _sgd_settings(
         release, release.pipeline_ft_steps, ft_plan.expected_batch_size, release.learning_rate
     )
-    run_ft = runner.make_dpsgd_trials(
+    run_ft = audit_runs.dpsgd_trials(
         dirac_loss(release.clip_norm, offset=x.shape[1] - 1),
-        settings,
+        clip_norm=settings.clip_norm,
+        learning_rate=settings.learning_rate,
         noise_multiplier=noise * ft_plan.noise_multiplier,
         expected_batch_size=ft_plan.expected_batch_size,
         params_per_trial=True,
@@ -744,11 +674,15 @@ def pipeline_trials(setup, release, *, canary: str, present: np.ndarray, noise, 
     # them, and only the canary's inclusion and the noise are random (the accountant's analysis
     # conditions on the other units' inclusions, so it covers this adversary).
     known = (
-        poisson_masks(rng, 1, release.pipeline_mix_steps, len(preds), mix_plan.sampling_rate),
-        poisson_masks(rng, 1, release.pipeline_ft_steps, ft_units, ft_plan.sampling_rate),
+        audit_runs.poisson_masks(
+            rng, 1, release.pipeline_mix_steps, len(preds), mix_plan.sampling_rate
+        ),
+        audit_runs.poisson_masks(
+            rng, 1, release.pipeline_ft_steps, ft_units, ft_plan.sampling_rate
+        ),
     )
     scores, start = [], 0
-    for part in runner._chunks(seeds, release.pipeline_chunk):
+    for part in audit_runs.seed_chunks(seeds, release.pipeline_chunk):
         world = present[start : start + len(part)]
         start += len(part)
         mix_masks = np.repeat(known[0], len(part), axis=0)
@@ -772,7 +706,7 @@ def _end_to_end(setup, release, examples, ft_data, masks, seeds, mix_plan, noise
     Privacy: an audit tool; each run is the pipeline on the given (audit) data.
     """
     mix_masks, ft_masks = masks
-    trace = runner.mixmin_trials(
+    trace = mixmin_audit.mixmin_trials(
         examples,
         jnp.asarray(
             np.broadcast_to(np.arange(mix_masks.shape[-1], dtype=np.int32), mix_masks.shape)
@@ -891,16 +825,21 @@ def pipeline_one_run(config: AuditConfig) -> dict:
     )
     examples = prepare_examples(setup["preds"])
     for label, noise in (("", 1.0), ("no_noise_", 0.0)):
-        run_ft = runner.make_dpsgd_trials(
+        run_ft = audit_runs.dpsgd_trials(
             dirac_loss(release.clip_norm, offset=dim),
-            settings,
+            clip_norm=settings.clip_norm,
+            learning_rate=settings.learning_rate,
             noise_multiplier=noise * ft_plan.noise_multiplier,
             expected_batch_size=ft_plan.expected_batch_size,
             params_per_trial=True,
         )
         masks = (
-            poisson_masks(rng, 1, release.pipeline_mix_steps, mix_units, mix_plan.sampling_rate),
-            poisson_masks(rng, 1, release.pipeline_ft_steps, n + m, ft_plan.sampling_rate)
+            audit_runs.poisson_masks(
+                rng, 1, release.pipeline_mix_steps, mix_units, mix_plan.sampling_rate
+            ),
+            audit_runs.poisson_masks(
+                rng, 1, release.pipeline_ft_steps, n + m, ft_plan.sampling_rate
+            )
             & present,
         )
         seed = rng.integers(2**31 - 2, size=1).astype(np.uint32)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from dpmix_jax.privacy import audit, clipping
+from dpmix_jax.privacy import audit, audit_runs, clipping
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum
 from experiments import audit as runner
 from experiments.configs.audit import get_config
@@ -176,14 +176,14 @@ def test_dirac_canary_gradient_survives_clipping():
     canary = audit.dirac_canary_gradient(params, index=3, clip_norm=2.5)
     assert float(canary["w"][2]) == -2.5 and float(jnp.sum(jnp.abs(canary["w"]))) == 2.5
     assert float(canary["b"]) == 0.0
-    loss = audit.with_gradient_canary(runner.logistic_loss, canary)
+    loss = audit.with_gradient_canary(audit_runs.logistic_loss, canary)
     batch = {
         "x": jnp.array([[1.0, 2, 3, 4, 5], [0, 0, 0, 0, 0]]),
         "y": jnp.array([0.0, 0.0]),
         "is_canary": jnp.array([False, True]),
     }
     total, stats_ = clipping.clipped_grad_sum(loss, clip_norm=2.5)(params, batch, jnp.ones(2, bool))
-    normal = jax.grad(runner.logistic_loss)(params, jax.tree.map(lambda x: x[0], batch))
+    normal = jax.grad(audit_runs.logistic_loss)(params, jax.tree.map(lambda x: x[0], batch))
     scale = 2.5 / float(jnp.linalg.norm(jnp.append(normal["w"], normal["b"])))
     assert scale < 1  # the ordinary example is clipped, the canary is not
     assert float(stats_["grad_norm"][1]) == pytest.approx(2.5)

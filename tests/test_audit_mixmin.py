@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpmix_jax.mixing import audit as mixmin_audit
 from dpmix_jax.mixing import dp_mixmin, prepare_examples
 from dpmix_jax.mixing.solvers import SHIFTS, shifted_example_loss
-from dpmix_jax.privacy import audit, clipping
+from dpmix_jax.privacy import audit, audit_runs, clipping
 from experiments import audit as runner
 from experiments.configs.audit import get_config
 
@@ -69,7 +70,7 @@ def test_vmapped_trials_are_dp_mixmin_runs_and_without_world_ignores_canary():
         get_config("cpu").mixmin, steps=20, sensitive_size=600, batch_size=30
     )  # 61 units, q < 1
     preds = runner.synthetic_proxy_outputs(settings.mixture_size, 5, seed=0)
-    canaries, _ = runner.lambda_canaries(preds, clip_norm=settings.clip_norm, seed=0)
+    canaries, _ = mixmin_audit.lambda_canaries(preds, clip_norm=settings.clip_norm, seed=0)
     canary = canaries[1]
     seeds = np.array([3, 11, 12345])
     kwargs = dict(
@@ -82,19 +83,23 @@ def test_vmapped_trials_are_dp_mixmin_runs_and_without_world_ignores_canary():
     )
     reference = [dp_mixmin(canary.preds, seed=int(s), **kwargs) for s in seeds]
     common = dict(
+        steps=settings.steps,
+        learning_rate=settings.learning_rate,
+        clip_norm=settings.clip_norm,
+        shift=settings.shift,
         noise_multiplier=0.7,
         rate=reference[0].sampling_rate,
         expected_batch_size=reference[0].expected_batch_size,
         seeds=seeds,
         chunk=2,
     )
-    scores, weights = runner.lambda_scores(canary, settings, present=True, **common)
+    scores, weights = mixmin_audit.lambda_scores(canary, present=True, **common)
     np.testing.assert_allclose(weights, np.stack([r.weights for r in reference]), atol=1e-5)
     np.testing.assert_allclose(scores, audit.logit_score(weights, canary.direction))
     # Without the canary the result cannot depend on the canary's row.
-    _, without = runner.lambda_scores(canary, settings, present=False, **common)
+    _, without = mixmin_audit.lambda_scores(canary, present=False, **common)
     changed = dataclasses.replace(canary, preds=np.vstack([preds, np.full(5, 0.3)]))
-    _, without_changed = runner.lambda_scores(changed, settings, present=False, **common)
+    _, without_changed = mixmin_audit.lambda_scores(changed, present=False, **common)
     np.testing.assert_array_equal(without, without_changed)
     assert np.abs(without - weights).max() > 1e-4
 
@@ -102,8 +107,8 @@ def test_vmapped_trials_are_dp_mixmin_runs_and_without_world_ignores_canary():
 def test_known_batches_share_other_units_and_randomise_only_the_canary():
     seeds = np.arange(200)
     kwargs = dict(rate=0.3, num_units=50, steps=7, canary=49, known_batches_seed=5)
-    with_idx, with_mask = runner.sample_trial_batches(seeds, present=True, **kwargs)
-    without_idx, without_mask = runner.sample_trial_batches(seeds, present=False, **kwargs)
+    with_idx, with_mask = audit_runs.sample_trial_batches(seeds, present=True, **kwargs)
+    without_idx, without_mask = audit_runs.sample_trial_batches(seeds, present=False, **kwargs)
     others = np.where(with_mask[..., :-1], with_idx[..., :-1], -1)
     assert np.all(others == others[0]) and not np.any(others == 49)
     np.testing.assert_array_equal(without_idx[..., :-1], with_idx[..., :-1])

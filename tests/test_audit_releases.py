@@ -4,12 +4,14 @@ pipeline over many runs and in one run, the Hot PATE aggregators, tightness) sta
 claim with noise while its no-noise control exceeds it."""
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from dpmix_jax.privacy import assign_parts
+from dpmix_jax.privacy import assign_parts, audit_runs
 from experiments import audit_releases as releases
 from experiments.configs.audit import ReleaseAuditConfig, get_config
 
@@ -48,7 +50,7 @@ def test_transcript_llr_is_the_gaussian_mixture_likelihood_ratio():
         (1 - q) * stats.norm.pdf(y, 0, sigma) + q * stats.norm.pdf(y, 1, sigma)
     ) - np.log(stats.norm.pdf(y, 0, sigma))
     np.testing.assert_allclose(
-        releases.transcript_llr(y, rate=q, noise_multiplier=sigma), direct.sum(1), rtol=1e-9
+        audit_runs.transcript_llr(y, rate=q, noise_multiplier=sigma), direct.sum(1), rtol=1e-9
     )
 
 
@@ -174,7 +176,7 @@ def test_ghost_cancelling_canaries_add_at_most_c_and_one_run_audit_holds():
     np.testing.assert_allclose(exact, 3.0 * release.clip_norm, rtol=1e-3)
     grad_sum = releases.ghost_clipped_grad_sum(releases.taped_dense_loss, clip_norm=1.0)
     params = {"w": np.zeros((8, 8 * (m + 1)), np.float32)}
-    alone = releases.canary_contributions(grad_sum, params, data, range(n, n + 20))
+    alone = audit_runs.canary_contributions(grad_sum, params, data, range(n, n + 20))
     assert np.all(alone <= release.clip_norm * (1 + 1e-6)), alone.max()
     assert np.all(alone >= 0.5 * release.clip_norm), alone.min()  # clipped, not dropped
 
@@ -184,3 +186,21 @@ def test_ghost_cancelling_canaries_add_at_most_c_and_one_run_audit_holds():
     for method in ("steinke", "fdp"):
         assert 0 <= row[f"one_run_{method}"] <= row["claimed_epsilon"]
         assert row[f"no_noise_one_run_{method}"] > 2.0 > row["claimed_epsilon"]
+
+
+@pytest.mark.parametrize(
+    ("module", "absent"),
+    [
+        ("experiments.audit_releases", "experiments.audit"),  # no cycle between the two
+        ("dpmix_jax.mixing.audit", "experiments"),  # the library needs no experiment
+        ("dpmix_jax.privacy.audit_runs", "dpmix_jax.mixing"),  # nor privacy/ the layers above
+    ],
+)
+def test_audit_modules_import_without_what_they_must_not_need(module, absent):
+    code = (
+        f"import sys, {module}; "
+        f"assert not [m for m in sys.modules if m.split('.')[:{absent.count('.') + 1}] == "
+        f"{absent.split('.')!r}], sorted(sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

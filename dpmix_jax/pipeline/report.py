@@ -9,7 +9,8 @@ A generated table sits between two markers:
 NAME names `docs/results/NAME.json`, a copy of the `results.json` a run wrote (a comparison of
 `compare.run_comparison` or an experiment; copied with `add_results`, or `dpmix report --add
 NAME=RUN_DIR`, with the run's `results.md` as NAME.md and its plots), and VIEW is one of `VIEWS`:
-the comparison views, or `markdown`, the run's own `results.md`. `update_markdown` rewrites
+the comparison views, the `ablation_*` views of `experiments.ablations`' file, or
+`markdown`, the run's own `results.md`. `update_markdown` rewrites
 every block from its file (`dpmix report`); `check_markdown` lists the blocks that differ from
 their files (`dpmix report --check`, and a test), so a number in the docs is always the number
 its run wrote, next to the command, date and commit that produced it.
@@ -24,7 +25,10 @@ import re
 import shutil
 from typing import Any
 
+import numpy as np
+
 from dpmix_jax.pipeline import common, compare
+from dpmix_jax.privacy.accounting import format_epsilon
 
 MARKER = re.compile(
     r"(?P<open><!-- table:(?P<name>[\w.-]+) (?P<view>\w+) -->\n)"
@@ -90,10 +94,120 @@ def _stored_markdown(results: dict[str, Any], source: str) -> str:
     )
 
 
+def _ablation_rows(results: dict[str, Any], study: str) -> list[tuple[dict, list[dict]]]:
+    """(setting, its runs) of one study of an ablations file, Uniform's reference row first."""
+    rows = []
+    for setting in results["settings"]:
+        if setting["study"] in ("uniform", study):
+            runs = [r for r in results["runs"] if r["setting"] == setting["setting"]]
+            rows.append((setting, runs))
+    return rows
+
+
+def _auc_cell(runs: list[dict]) -> str:
+    utility = np.array([r["utility"] for r in runs])
+    return f"{utility.mean():.4f} ± {utility.std():.4f}"
+
+
+def _spent_cell(runs: list[dict]) -> str:
+    return format_epsilon(max(r["spent_epsilon"] for r in runs), ".3f")
+
+
+def _ablation_caption(results: dict[str, Any], what: str) -> str:
+    return (
+        f"{what}, at end-to-end ε = {results['epsilon']:g} (δ = {results['delta']:g}) on "
+        f"{results['dataset']}; test AUC mean ± std over {len(results['seeds'])} seed(s) "
+        "(higher is better) and spent ε, the accountants' end-to-end ε (max over seeds). "
+        "Uniform (λ uniform, no mixture stage) is the reference row:"
+    )
+
+
+def _ablation_footer(results: dict[str, Any], source: str) -> str:
+    randomness = compare.randomness_line(results)
+    return (
+        f"{compare.provenance_line(results)} {randomness[:1].upper()}{randomness[1:]} Rebuilt "
+        f"by `dpmix report` from `{source}`.\n"
+    )
+
+
+def _ablation_rho(results: dict[str, Any], source: str) -> str:
+    lines = [
+        _ablation_caption(
+            results,
+            "DP-MixMin against ρ, the share of the sensitive train split given to D_mix (the "
+            "rest is D_ft), with the expected mixture batch b scaled with ρ to keep the rate",
+        ),
+        "",
+        "| setting | D_mix examples (mean) | expected batch b | rate b / \\|D_mix\\| | test AUC "
+        "| spent ε |",
+        "|---|---|---|---|---|---|",
+    ]
+    for setting, runs in _ablation_rows(results, "rho"):
+        sizes = [r["mixture_examples"] for r in runs if r.get("mixture_examples")]
+        size = rate = batch = ""
+        if setting["method"] == "dp_mixmin":
+            batch = f"{setting['mixture_batch_size']:g}"
+            size = f"{np.mean(sizes):.1f}"
+            rate = f"{np.mean([setting['mixture_batch_size'] / n for n in sizes]):.3f}"
+        lines.append(
+            f"| {setting['setting']} | {size} | {batch} | {rate} | {_auc_cell(runs)} | "
+            f"{_spent_cell(runs)} |"
+        )
+    return "\n".join(lines) + "\n\n" + _ablation_footer(results, source)
+
+
+def _ablation_proxy(results: dict[str, Any], source: str) -> str:
+    lines = [
+        _ablation_caption(
+            results,
+            "DP-MixMin against the proxy models' training budget (steps and epochs "
+            "over the public data)",
+        ),
+        "",
+        "| setting | proxy epochs | test AUC | spent ε |",
+        "|---|---|---|---|",
+    ]
+    for setting, runs in _ablation_rows(results, "proxy"):
+        epochs = f"{setting['proxy_epochs']:.2f}" if setting["study"] == "proxy" else ""
+        lines.append(
+            f"| {setting['setting']} | {epochs} | {_auc_cell(runs)} | {_spent_cell(runs)} |"
+        )
+    return "\n".join(lines) + "\n\n" + _ablation_footer(results, source)
+
+
+def _ablation_composition(results: dict[str, Any], source: str) -> str:
+    lines = [
+        _ablation_caption(
+            results,
+            "DP-MixMin's two private stages composed in parallel (disjoint D_mix and D_ft, each "
+            "at ε) or sequentially (both stages on the whole train split, ε split between them), "
+            "and non-private MixMin (λ not private, only its fine-tuning is DP)",
+        ),
+        "",
+        "| setting | ε_mix | ε_ft | test AUC | spent ε |",
+        "|---|---|---|---|---|",
+    ]
+    for setting, runs in _ablation_rows(results, "composition"):
+        stages = [
+            format_epsilon(max(r["stage_epsilons"][stage] for r in runs), ".3f")
+            if all(stage in r["stage_epsilons"] for r in runs)
+            else ""
+            for stage in ("mixture", "finetune")
+        ]
+        lines.append(
+            f"| {setting['setting']} | {stages[0]} | {stages[1]} | {_auc_cell(runs)} | "
+            f"{_spent_cell(runs)} |"
+        )
+    return "\n".join(lines) + "\n\n" + _ablation_footer(results, source)
+
+
 VIEWS = {
     "utility": _utility,
     "budget": _budget,
     "weights": _weights,
+    "ablation_rho": _ablation_rho,
+    "ablation_proxy": _ablation_proxy,
+    "ablation_composition": _ablation_composition,
     "markdown": _stored_markdown,
 }
 MARKDOWN_KEY = "__markdown__"
@@ -113,6 +227,11 @@ def render(view: str, results: dict[str, Any], source: str) -> str:
     """The markdown of one VIEW of a results file (`source` is how the text names the file)."""
     if view not in VIEWS:
         raise ValueError(f"unknown table view {view!r}; choose from {sorted(VIEWS)}.")
+    if view.startswith("ablation_") and not {"settings", "runs", "seeds"} <= results.keys():
+        raise ValueError(
+            f"table view {view!r} needs the ablations.json of experiments.ablations; {source} "
+            "has no 'settings', 'runs' and 'seeds'."
+        )
     return VIEWS[view](results, source)
 
 

@@ -233,7 +233,7 @@ class AuditConfig:
         method: threshold-selection correction, "split" (SELECT/EVAL halves) or "bonferroni".
         known_batches: if True, every trial shares the other units' batches and only the
             canary's inclusion and the noise are random (a stronger adversary, still covered by
-            the accountant; see `experiments.audit.sample_trial_batches`). If False, each "with"
+            the accountant; see `privacy.audit_runs.sample_trial_batches`). If False, each "with"
             trial is an independent `dp_mixmin` / DP-SGD run.
         seed: master seed.
     """
