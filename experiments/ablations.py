@@ -11,14 +11,14 @@ import pathlib
 
 import numpy as np
 
-from dpmix_jax.cli import (
+from dpmix_jax.pipeline import ImagePipeline, presets
+from dpmix_jax.privacy import SEEDED_NOTE
+from experiments.common_args import (
     add_chest_xray_roots,
     add_reproducible_flag,
     experiment_main,
     experiment_parser,
 )
-from dpmix_jax.pipeline import ImagePipeline, presets
-from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.ablations import AblationConfig, get_config
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.cxr import real_tasks

@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness
 from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping, current_clip_norm
 from dpmix_jax.privacy.noise import fresh_secret_key
 from dpmix_jax.train import fit
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -45,10 +45,10 @@ import optax
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
-from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import dp_mixmin, mixmin, per_example_grads, prepare_examples
 from dpmix_jax.mixing.solvers import run_mirror_descent
 from dpmix_jax.privacy import audit, clipping, noise, plan, sampling
+from experiments.common_args import experiment_main, experiment_parser
 from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, MixMinAuditConfig, get_config
 
 PAD_MULTIPLE = 32

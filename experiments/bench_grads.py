@@ -60,7 +60,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, lora
 from dpmix_jax.pate import samplers
@@ -68,6 +67,7 @@ from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import correlated_noise, noise
 from dpmix_jax.train import engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
+from experiments.common_args import experiment_main, experiment_parser
 from experiments.configs.bench_grads import (
     GPT2_ONLY_METHODS,
     PRESETS,

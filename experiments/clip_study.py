@@ -23,9 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.mixing import objectives, solvers  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from experiments.k_scaling import mixture_problem  # noqa: E402
 
 

@@ -14,12 +14,12 @@ import pathlib
 
 import numpy as np
 
-from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from dpmix_jax.data import cxr
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import summarize
 from dpmix_jax.privacy import SEEDED_NOTE
+from experiments.common_args import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from experiments.configs.nih import CxrExperimentConfig, get_config
 
 # G of `--privacy-unit patient` unless given: a NIH patient has 3.6 images on average.

@@ -21,10 +21,10 @@ import time
 import dp_accounting
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

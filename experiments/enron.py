@@ -15,7 +15,6 @@ import pathlib
 import time
 from types import ModuleType
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pipeline import run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.text import (
@@ -26,6 +25,7 @@ from dpmix_jax.pipeline.text import (
     require_paths,
 )
 from dpmix_jax.pipeline.text_presets import text_task
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 from experiments.configs import enron as configs
 from experiments.configs.enron import TextExperimentConfig
 

@@ -20,16 +20,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import (  # noqa: E402
+from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
+from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
+from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
+from experiments.common_args import (  # noqa: E402
     add_chest_xray_roots,
     add_reproducible_flag,
     experiment_main,
     experiment_parser,
 )
-from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
-from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
-from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
-from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
 from experiments.configs import gsd as configs  # noqa: E402
 
 CONTROL = "control: transposed images"

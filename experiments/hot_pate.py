@@ -41,7 +41,6 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
@@ -52,6 +51,7 @@ from dpmix_jax.pipeline.common import fingerprint
 from dpmix_jax.privacy import SEEDED_NOTE, randomness
 from dpmix_jax.train import MetricLogger, TrainConfig, Trainer, fit, losses
 from dpmix_jax.train.pretrain import PackedMixture
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 from experiments.configs.hot_pate import HotPateConfig, NaturalConfig, get_config
 
 matplotlib.use("Agg")

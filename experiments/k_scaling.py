@@ -34,11 +34,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.data import builtin  # noqa: E402
 from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from dpmix_jax.train import IndexedData, evaluate, proxies  # noqa: E402
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from experiments.configs import k_scaling as configs  # noqa: E402
 
 PAPER_SLOPE = 0.49

@@ -29,12 +29,12 @@ import time
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.sources import ArraySource
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance, summarize
 from dpmix_jax.privacy import SEEDED_NOTE
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

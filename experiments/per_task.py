@@ -15,18 +15,18 @@ from typing import Any
 
 import numpy as np
 
-from dpmix_jax.cli import (
-    add_chest_xray_roots,
-    add_reproducible_flag,
-    experiment_main,
-    experiment_parser,
-)
 from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.mixing import cosine_similarity
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance, provenance_line, randomness_line
 from dpmix_jax.privacy.accounting import format_epsilon
+from experiments.common_args import (
+    add_chest_xray_roots,
+    add_reproducible_flag,
+    experiment_main,
+    experiment_parser,
+)
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.configs.per_task import PerTaskConfig, get_config
 

@@ -9,26 +9,12 @@ and the printed (ε, δ) is the ledger's for the steps run (ε <= 2 at δ = 1e-5
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from sklearn.datasets import load_digits
-
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
-from dpmix_jax.privacy import (
-    SEEDED_NOTE,
-    DpSgdConfig,
-    PrivacyLedger,
-    clipped_grad_sum,
-    make_dp_sgd_step,
-    plan_dp_sgd,
-    private_optimizer,
-    randomness,
-)
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 
 
 def example_loss(params, example):
+    import jax
+
     logits = example["x"] @ params["w"] + params["b"]
     return -jax.nn.log_softmax(logits)[example["y"]]
 
@@ -44,6 +30,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--seed", type=int, default=0, metavar="SEED", help="the train/test split")
     add_reproducible_flag(parser, seeds="--seed")
     args = parser.parse_args(argv)
+    # Imported here, so that `--help` answers without loading JAX.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from sklearn.datasets import load_digits
+
+    from dpmix_jax.privacy import (
+        SEEDED_NOTE,
+        DpSgdConfig,
+        PrivacyLedger,
+        clipped_grad_sum,
+        make_dp_sgd_step,
+        plan_dp_sgd,
+        private_optimizer,
+        randomness,
+    )
+
     noise_seed = args.seed if args.reproducible else randomness.secret_seed()
 
     digits = load_digits()

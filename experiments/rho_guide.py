@@ -23,8 +23,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from experiments.configs import rho_guide as configs  # noqa: E402
 from experiments.k_scaling import gradient_norms, loglog_slope, mixture_problem  # noqa: E402
 

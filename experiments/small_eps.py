@@ -22,17 +22,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import (  # noqa: E402
-    add_chest_xray_roots,
-    add_reproducible_flag,
-    experiment_main,
-    experiment_parser,
-)
 from dpmix_jax.mixing import cosine_similarity, dp_mixmin  # noqa: E402
 from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
 from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
 from dpmix_jax.pipeline.text_presets import text_task  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
+from experiments.common_args import (  # noqa: E402
+    add_chest_xray_roots,
+    add_reproducible_flag,
+    experiment_main,
+    experiment_parser,
+)
 from experiments.configs import small_eps as configs  # noqa: E402
 
 # The papers' cosines to non-private MixMin (Tables 11, 14, 15): (DP-MixMin, uniform reference).

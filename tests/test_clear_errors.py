@@ -24,6 +24,7 @@ from dpmix_jax import cli
 from dpmix_jax.data import text, tfds_sources
 from dpmix_jax.data.tokenizer import gpt2_tokenizer, train_bpe_tokenizer
 from dpmix_jax.pipeline import presets
+from experiments import common_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -191,7 +192,7 @@ def test_experiment_output_folder_in_use_is_refused_when_parsed(tmp_path, capsys
 
     monkeypatch.setattr(k_scaling, "main", loaded)
     held = _held_by_process_4242(tmp_path)
-    with held, pytest.raises(SystemExit) as exit_info, cli.experiment_main("k_scaling"):
+    with held, pytest.raises(SystemExit) as exit_info, common_args.experiment_main("k_scaling"):
         k_scaling.cli(["--out", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()

@@ -9,6 +9,8 @@ import pytest
 
 from dpmix_jax import cli
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def test_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -124,6 +126,32 @@ def test_run_help_lists_the_experiments(capsys):
     out = capsys.readouterr().out
     for name, text in cli.EXPERIMENTS.items():
         assert f"{name}  " in out and text in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "experiments.quickstart", "--help"],
+        ["-m", "dpmix_jax.cli", "run", "quickstart", "--help"],
+    ],
+)
+def test_experiment_help_answers_without_loading_jax(argv):
+    # `--help` exits at parsing; JAX, the accountants and the data are imported after it.
+    check = (
+        "import runpy, sys\n"
+        f"sys.argv = {[argv[1], *argv[2:]]!r}\n"
+        "try:\n"
+        f"    runpy.run_module({argv[1]!r}, run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exit_info:\n"
+        "    assert exit_info.code == 0, exit_info.code\n"
+        "loaded = sorted(m for m in ('jax', 'numpy', 'dp_accounting') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout and "--reproducible" in done.stdout
 
 
 def test_version(capsys):
