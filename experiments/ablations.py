@@ -15,9 +15,12 @@ from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.common_args import (
     add_chest_xray_roots,
+    add_quiet_flag,
     add_reproducible_flag,
+    add_seeds_option,
     experiment_main,
     experiment_parser,
+    with_common_options,
 )
 from experiments.configs.ablations import AblationConfig, get_config
 from experiments.configs.nih import CxrExperimentConfig
@@ -112,10 +115,12 @@ if __name__ == "__main__":
             help="output folder: ablations.json, ablations.md, stages/",
         )
         add_chest_xray_roots(parser, public="chexpert")
-        add_reproducible_flag(parser, seeds="the config's seeds")
+        add_reproducible_flag(parser, seeds="--seeds")
+        add_seeds_option(parser)
+        add_quiet_flag(parser)
         args = parser.parse_args()
         main(
-            get_config(args.preset),
+            with_common_options(get_config(args.preset), args),
             args.out,
             reproducible=args.reproducible,
             nih_root=args.nih_root,

@@ -48,7 +48,12 @@ from sklearn.linear_model import LogisticRegression
 from dpmix_jax.mixing import dp_mixmin, mixmin, per_example_grads, prepare_examples
 from dpmix_jax.mixing.solvers import run_mirror_descent
 from dpmix_jax.privacy import audit, clipping, noise, plan, sampling
-from experiments.common_args import experiment_main, experiment_parser
+from experiments.common_args import (
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.audit import AuditConfig, DpSgdAuditConfig, MixMinAuditConfig, get_config
 
 PAD_MULTIPLE = 32
@@ -792,8 +797,9 @@ if __name__ == "__main__":
             default=None,
             help="share the other units' batches across trials (default: the preset's choice)",
         )
+        add_seeds_option(parser, single=True)
         args = parser.parse_args()
-        chosen = get_config(args.preset)
+        chosen = with_common_options(get_config(args.preset), args)
         if args.known_batches is not None:
             chosen = dataclasses.replace(chosen, known_batches=args.known_batches)
         outcome = main(chosen, args.out)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import pathlib
 import textwrap
 from collections.abc import Iterator
+from typing import Any
 
 from dpmix_jax import cli
 
@@ -119,3 +121,64 @@ def add_chest_xray_roots(parser: argparse.ArgumentParser, *, public: str | None)
         )
         + " in its published layout",
     )
+
+
+def add_seeds_option(
+    parser: argparse.ArgumentParser, *, single: bool = False, default: str = "the preset's"
+) -> None:
+    """Adds `--seeds`: the seeds to run instead of the config's (`with_common_options`).
+
+    Args:
+        parser: the experiment's parser.
+        single: the experiment runs one seed (its config's `seed`): `--seeds` takes one value.
+        default: whose seeds run without the option, for the help.
+    """
+    what = "the run's seed (one value)" if single else "the repetitions, one run per seed"
+    parser.add_argument(
+        "--seeds",
+        type=cli.parse_seed,
+        nargs="+",
+        default=None,
+        metavar="SEED",
+        help=f"{what} (default: {default} {'seed' if single else 'seeds'})",
+    )
+
+
+def add_quiet_flag(parser: argparse.ArgumentParser) -> None:
+    """Adds `--quiet`: no progress bars (`with_common_options`)."""
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def with_common_options(config: Any, args: argparse.Namespace) -> Any:
+    """`config` (a settings dataclass) with the command line's `--seeds` and `--quiet`.
+
+    `--seeds` replaces the config's `seeds`, or its one `seed` (then exactly one must be given);
+    `--quiet` turns off every `progress` setting in the config and the settings nested in it.
+    """
+    seeds = getattr(args, "seeds", None)
+    if seeds is not None:
+        names = {field.name for field in dataclasses.fields(config)}
+        if "seeds" in names:
+            config = dataclasses.replace(config, seeds=tuple(seeds))
+        elif len(seeds) == 1:
+            config = dataclasses.replace(config, seed=seeds[0])
+        else:
+            raise ValueError(
+                f"argument --seeds: this experiment runs one seed; give one value, got {len(seeds)}"
+            )
+    return _without_progress(config) if getattr(args, "quiet", False) else config
+
+
+def _without_progress(value: Any) -> Any:
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return value
+    changes = {}
+    for field in dataclasses.fields(value):
+        current = getattr(value, field.name)
+        if field.name == "progress" and current is True:
+            changes[field.name] = False
+        elif dataclasses.is_dataclass(current):
+            quiet = _without_progress(current)
+            if quiet is not current:
+                changes[field.name] = quiet
+    return dataclasses.replace(value, **changes) if changes else value

@@ -51,7 +51,13 @@ from dpmix_jax.pipeline.common import fingerprint
 from dpmix_jax.privacy import SEEDED_NOTE, randomness
 from dpmix_jax.train import MetricLogger, TrainConfig, Trainer, fit, losses
 from dpmix_jax.train.pretrain import PackedMixture
-from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.hot_pate import HotPateConfig, NaturalConfig, get_config
 
 matplotlib.use("Agg")
@@ -1097,9 +1103,15 @@ if __name__ == "__main__":
             metavar="LIST",
             help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
         )
-        add_reproducible_flag(parser, seeds="the config's seed")
+        add_reproducible_flag(parser, seeds="--seeds")
+        add_seeds_option(parser, single=True)
         args = parser.parse_args()
         chosen = tuple(p.strip() for p in args.parts.split(",") if p.strip())
         if not chosen or set(chosen) - set(PARTS):
             parser.error(f"--parts must list some of {','.join(PARTS)}, got {args.parts!r}")
-        main(get_config(args.preset), args.out, reproducible=args.reproducible, parts=chosen)
+        main(
+            with_common_options(get_config(args.preset), args),
+            args.out,
+            reproducible=args.reproducible,
+            parts=chosen,
+        )

@@ -238,7 +238,7 @@ def _run_module(name, *args, env=None):
 
 
 def test_experiment_module_reports_bad_arguments_in_one_line():
-    done = _run_module("quickstart", "--epsilon", "0")
+    done = _run_module("quickstart", "--epsilons", "0")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
