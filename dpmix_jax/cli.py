@@ -11,7 +11,6 @@ dpmix report [--add NAME=RUN_DIR ...] [--check]   (README tables from docs/resul
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import dataclasses
@@ -26,6 +25,8 @@ import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from dpmix_jax import interrupt
 
 EXPERIMENTS = {
     "quickstart": "DP-SGD on scikit-learn digits with the privacy core only",
@@ -57,7 +58,8 @@ _MAX_SEED = 2**32 - 1
 # Set (to anything but 0) to see the traceback of an error that dpmix reports in one line.
 DEBUG_ENV = "DPMIX_DEBUG"
 INTERRUPTED = (
-    "interrupted; to resume, rerun the same command with the same --out: finished stages are reused"
+    "interrupted; to resume, rerun the same command (same --out): its stored stages are read "
+    "back and their privacy ledger is kept"
 )
 INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 _MAX_MESSAGE = 400  # characters of an error message shown; the start names the file
@@ -571,18 +573,19 @@ def main(argv: list[str] | None = None) -> int:
     Bad input and Ctrl-C end with one line on stderr and no traceback (see `one_line_errors`).
     """
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command in _SHORTCUTS:
-        args.args = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "demo":
-        try:
-            _check_demo_arguments(args)
-        except ValueError as err:
-            parser.error(str(err))
     try:
+        # Ctrl-C while the demo's arguments are checked (loading the library) also ends here.
         with one_line_errors(parser.prog):
+            args, extra = parser.parse_known_args(argv)
+            if args.command in _SHORTCUTS:
+                args.args = extra
+            elif extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            if args.command == "demo":
+                try:
+                    _check_demo_arguments(args)
+                except ValueError as err:
+                    parser.error(str(err))
             return _command(args)
     finally:
         parallel = sys.modules.get("dpmix_jax.parallel")  # not loaded: no mesh was set
@@ -603,24 +606,15 @@ def one_line_errors(prog: str) -> Iterator[None]:
     """Ends bad input and Ctrl-C inside the block with one line on stderr, without a traceback.
 
     Bad input (`_input_errors`) prints `PROG: error: ...` and exits with status 2; Ctrl-C prints
-    `PROG: interrupted; ...` (how to resume) and exits with status 130. Set the environment
-    variable DPMIX_DEBUG=1 to see the traceback instead.
-
-    A Ctrl-C that lands in a callback Python cannot raise from (JAX's garbage-collection
-    callback) is delivered again to the main thread rather than only printed and ignored.
+    `PROG: interrupted; ...` (how to resume) and exits with status 130. A Ctrl-C that lands in a
+    callback Python cannot raise from stops the run at its next step or stage
+    (`interrupt.stop_on_interrupt`). Set the environment variable DPMIX_DEBUG=1 to see the
+    traceback instead.
     """
-    previous_hook = sys.unraisablehook
-
-    def redeliver_interrupt(unraisable) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            _thread.start_new_thread(_interrupt_main_soon, ())
-        else:
-            previous_hook(unraisable)
-
-    sys.unraisablehook = redeliver_interrupt
     debug = os.environ.get(DEBUG_ENV, "0") != "0"
     try:
-        yield
+        with interrupt.stop_on_interrupt():
+            yield
     except KeyboardInterrupt:
         if debug:
             raise
@@ -631,15 +625,6 @@ def one_line_errors(prog: str) -> Iterator[None]:
             raise
         print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
-    finally:
-        sys.unraisablehook = previous_hook
-
-
-def _interrupt_main_soon() -> None:
-    # Raised at once, the interrupt would land in the hook that is still running and be
-    # ignored again; a moment later it lands in the main thread's code.
-    time.sleep(0.01)
-    _thread.interrupt_main()
 
 
 def _one_line(err: BaseException) -> str:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import tqdm
 
-from dpmix_jax import parallel
+from dpmix_jax import interrupt, parallel
 from dpmix_jax.mixing import cosine_similarity, l1_distance
 from dpmix_jax.pipeline import common, folders
 from dpmix_jax.privacy import SEEDED_NOTE
@@ -227,6 +227,7 @@ def run_comparison(
         runs = []
         try:
             for seed, epsilon, method in grid:
+                interrupt.raise_if_interrupted()
                 bar.start_run(f"{method} ε={epsilon:g} seed={seed}")
                 runs.append(pipeline.run(method, float(epsilon), int(seed)).to_json())
                 bar.finish_run()
