@@ -12,7 +12,6 @@ dpmix generate [--documents DIR] [--model DIR] [--epsilon 1] [--out DIR] ...   (
 
 from __future__ import annotations
 
-import _thread
 import argparse
 import contextlib
 import dataclasses
@@ -27,6 +26,8 @@ import textwrap
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from dpmix_jax import interrupt
 
 EXPERIMENTS = {
     "quickstart": "DP-SGD on scikit-learn digits with the privacy core only",
@@ -58,17 +59,14 @@ _MAX_SEED = 2**32 - 1
 # Set (to anything but 0) to see the traceback of an error that dpmix reports in one line.
 DEBUG_ENV = "DPMIX_DEBUG"
 INTERRUPTED = (
-    "interrupted; to resume, rerun the same command with the same --out: finished stages are reused"
+    "interrupted; to resume, rerun the same command (same --out): its stored stages are read "
+    "back and their privacy ledger is kept"
 )
 INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 _MAX_MESSAGE = 400  # characters of an error message shown; the start names the file
 
-# The name an experiment's parser shows: `dpmix audit`, `dpmix run enron`, or (when the module
-# is run directly) `python -m experiments.enron`; set by `_run_experiment`.
+# The program name of the experiment that `_run_experiment` runs (`experiment_program`).
 _experiment_prog: str | None = None
-# The locks that the experiment running under `experiment_main` holds until it ends (its --out
-# folder's, taken when its arguments are parsed); None outside `experiment_main`.
-_experiment_locks: contextlib.ExitStack | None = None
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -81,7 +79,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
-def _add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds `--mesh` and `--distributed` (applied by `use_mesh`)."""
     parser.add_argument(
         "--mesh",
         default=None,
@@ -98,7 +97,7 @@ def _add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _use_mesh(args: argparse.Namespace) -> None:
+def use_mesh(args: argparse.Namespace) -> None:
     """Starts the multi-process runtime if asked and makes `--mesh` the run's mesh."""
     import jax
 
@@ -119,112 +118,14 @@ def _use_mesh(args: argparse.Namespace) -> None:
     parallel.set_active_mesh(parallel.make_mesh(config), config.fsdp_min_size)
 
 
-class _ExperimentParser(argparse.ArgumentParser):
-    """An experiment's parser: adds `--mesh` and `--distributed` and applies them on parsing."""
-
-    def parse_known_args(self, args=None, namespace=None):
-        parsed, extra = super().parse_known_args(args, namespace)
-        try:
-            _use_mesh(parsed)
-        except ValueError as err:
-            self.error(str(err))
-        out = getattr(parsed, "out", None)
-        if _experiment_locks is not None and out is not None:
-            _experiment_locks.enter_context(_output_lock(out))
-        return parsed, extra
-
-
-def experiment_parser(
-    name: str, description: str, *, examples: tuple[str, ...] = ()
-) -> argparse.ArgumentParser:
-    """The argument parser of `experiments.NAME`, named as the user invoked it.
-
-    Args:
-        name: the experiment's module name under `experiments/`.
-        description: the first lines of the help.
-        examples: command lines (arguments after the program name) shown in the epilog.
-    """
-    prog = _experiment_name(name)
-    epilog = (
-        "examples:\n" + "\n".join(f"  {prog} {e}".rstrip() for e in examples) if examples else None
-    )
-    parser = _ExperimentParser(
-        prog=prog,
-        description=textwrap.fill(description, 79),
-        epilog=epilog,
-        formatter_class=HelpFormatter,
-    )
-    _add_scale_arguments(parser)
-    return parser
-
-
-def _experiment_name(name: str) -> str:
+def experiment_program(name: str) -> str:
+    """The name the parser of `experiments.NAME` shows: `dpmix audit`, `dpmix run enron`, or
+    (when the module is run directly) `python -m experiments.enron`."""
     return _experiment_prog or f"python -m experiments.{name}"
 
 
-@contextlib.contextmanager
-def experiment_main(name: str) -> Iterator[None]:
-    """The context of `experiments.NAME`'s `__main__` block, as `with experiment_main("NAME"):`.
-
-    Run directly (`python -m experiments.NAME`) or through `dpmix`, the experiment reports bad
-    input and Ctrl-C in one line (`one_line_errors`), and holds the lock of its `--out` folder
-    from the moment its arguments are parsed, so that a second run on the folder stops before
-    loading any data.
-    """
-    global _experiment_locks
-    with one_line_errors(_experiment_name(name)), contextlib.ExitStack() as locks:
-        previous, _experiment_locks = _experiment_locks, locks
-        try:
-            yield
-        finally:
-            _experiment_locks = previous
-
-
-def add_reproducible_flag(parser: argparse.ArgumentParser, *, seeds: str) -> None:
-    """Adds `--reproducible`: the private mechanisms seeded with `seeds`, not secret randomness."""
-    parser.add_argument(
-        "--reproducible",
-        action="store_true",
-        help=(
-            f"seed the private mechanisms' noise, sampling and splits with {seeds} (exact "
-            "reproduction; not private against anyone who knows them); default: secret "
-            "randomness from the operating system"
-        ),
-    )
-
-
-def add_chest_xray_roots(parser: argparse.ArgumentParser, *, public: str | None) -> None:
-    """Adds `--nih-root` and `--public-root`, the data folders of the chest X-ray paper presets.
-
-    Args:
-        parser: the experiment's parser.
-        public: "chexpert" or "mimic" (the public folder's default is `data/PUBLIC`), or None
-            when the preset chooses the public data set (the default is then the preset's).
-    """
-    parser.add_argument(
-        "--nih-root",
-        type=pathlib.Path,
-        default=pathlib.Path("data/nih"),
-        metavar="DIR",
-        help="paper preset: the NIH ChestX-ray14 folder (Data_Entry_2017.csv, the official "
-        "split lists, images/)",
-    )
-    parser.add_argument(
-        "--public-root",
-        type=pathlib.Path,
-        default=None if public is None else pathlib.Path(f"data/{public}"),
-        metavar="DIR",
-        help="paper preset: the "
-        + (
-            "CheXpert or MIMIC-CXR folder (default: data/chexpert or data/mimic, by preset)"
-            if public is None
-            else f"{public} folder"
-        )
-        + " in its published layout",
-    )
-
-
-def _seed(text: str) -> int:
+def parse_seed(text: str) -> int:
+    """A `--seeds` value: an integer from 0 to 2**32 - 1."""
     try:
         value = int(text)
     except ValueError:
@@ -321,7 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--seeds",
-        type=_seed,
+        type=parse_seed,
         nargs="+",
         default=[0, 1, 2],
         metavar="SEED",
@@ -384,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
         help="with --adaptive-clipping: the fraction of units left unclipped (default 0.5)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
-    _add_scale_arguments(demo)
+    add_scale_arguments(demo)
 
     width = max(map(len, EXPERIMENTS))
     run = commands.add_parser(
@@ -542,7 +443,7 @@ def _with_noise(config: Any, args: argparse.Namespace) -> Any:
         raise ValueError(f"arguments --noise/--bands: {err}") from None
 
 
-def _output_lock(out: pathlib.Path) -> contextlib.AbstractContextManager:
+def output_lock(out: pathlib.Path) -> contextlib.AbstractContextManager:
     """The lock of the output folder `out` (`folders.folder_lock`), held by process 0 of a
     multi-process run; taken before the data and the proxies, a second run on the folder stops
     at once."""
@@ -555,9 +456,9 @@ def _output_lock(out: pathlib.Path) -> contextlib.AbstractContextManager:
 def _demo(args: argparse.Namespace) -> int:
     from dpmix_jax.pipeline import METHODS
 
-    _use_mesh(args)
+    use_mesh(args)
     _check_out_dir(args.out)
-    with _output_lock(args.out):
+    with output_lock(args.out):
         return _run_demo(args, [m for m in METHODS if m in args.methods])
 
 
@@ -871,23 +772,24 @@ def main(argv: list[str] | None = None) -> int:
     Bad input and Ctrl-C end with one line on stderr and no traceback (see `one_line_errors`).
     """
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command in _SHORTCUTS:
-        args.args = extra
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "demo":
-        try:
-            _check_demo_arguments(args)
-        except ValueError as err:
-            parser.error(str(err))
     try:
+        # Ctrl-C while the demo's arguments are checked (loading the library) also ends here.
         with one_line_errors(parser.prog):
+            args, extra = parser.parse_known_args(argv)
+            if args.command in _SHORTCUTS:
+                args.args = extra
+            elif extra:
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            if args.command == "demo":
+                try:
+                    _check_demo_arguments(args)
+                except ValueError as err:
+                    parser.error(str(err))
             return _command(args)
     finally:
-        from dpmix_jax import parallel
-
-        parallel.set_active_mesh(None)  # the mesh belongs to this command only
+        parallel = sys.modules.get("dpmix_jax.parallel")  # not loaded: no mesh was set
+        if parallel is not None:
+            parallel.set_active_mesh(None)  # the mesh belongs to this command only
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
@@ -903,24 +805,15 @@ def one_line_errors(prog: str) -> Iterator[None]:
     """Ends bad input and Ctrl-C inside the block with one line on stderr, without a traceback.
 
     Bad input (`_input_errors`) prints `PROG: error: ...` and exits with status 2; Ctrl-C prints
-    `PROG: interrupted; ...` (how to resume) and exits with status 130. Set the environment
-    variable DPMIX_DEBUG=1 to see the traceback instead.
-
-    A Ctrl-C that lands in a callback Python cannot raise from (JAX's garbage-collection
-    callback) is delivered again to the main thread rather than only printed and ignored.
+    `PROG: interrupted; ...` (how to resume) and exits with status 130. A Ctrl-C that lands in a
+    callback Python cannot raise from stops the run at its next step or stage
+    (`interrupt.stop_on_interrupt`). Set the environment variable DPMIX_DEBUG=1 to see the
+    traceback instead.
     """
-    previous_hook = sys.unraisablehook
-
-    def redeliver_interrupt(unraisable) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            _thread.start_new_thread(_interrupt_main_soon, ())
-        else:
-            previous_hook(unraisable)
-
-    sys.unraisablehook = redeliver_interrupt
     debug = os.environ.get(DEBUG_ENV, "0") != "0"
     try:
-        yield
+        with interrupt.stop_on_interrupt():
+            yield
     except KeyboardInterrupt:
         if debug:
             raise
@@ -931,15 +824,6 @@ def one_line_errors(prog: str) -> Iterator[None]:
             raise
         print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
-    finally:
-        sys.unraisablehook = previous_hook
-
-
-def _interrupt_main_soon() -> None:
-    # Raised at once, the interrupt would land in the hook that is still running and be
-    # ignored again; a moment later it lands in the main thread's code.
-    time.sleep(0.01)
-    _thread.interrupt_main()
 
 
 def _one_line(err: BaseException) -> str:

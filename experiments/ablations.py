@@ -14,15 +14,18 @@ import time
 
 import numpy as np
 
-from dpmix_jax.cli import (
-    add_chest_xray_roots,
-    add_reproducible_flag,
-    experiment_main,
-    experiment_parser,
-)
 from dpmix_jax.pipeline import ImagePipeline, presets, report
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance
+from experiments.common_args import (
+    add_chest_xray_roots,
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.ablations import AblationConfig, Setting, get_config
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.cxr import real_tasks
@@ -151,10 +154,12 @@ def cli() -> None:
         help="output folder: ablations.json, ablations.md, stages/",
     )
     add_chest_xray_roots(parser, public="chexpert")
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
     args = parser.parse_args()
     main(
-        get_config(args.preset),
+        with_common_options(get_config(args.preset), args),
         args.out,
         reproducible=args.reproducible,
         nih_root=args.nih_root,

@@ -20,13 +20,19 @@ import time
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness
 from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping, current_clip_norm
 from dpmix_jax.privacy.noise import fresh_secret_key
 from dpmix_jax.train import fit
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -224,9 +230,14 @@ def cli() -> None:
         metavar="DIR",
         help="output folder: adaptive_clipping.json, adaptive_clipping.md, stages/",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
     args = parser.parse_args()
-    main(AdaptiveClippingStudyConfig(), args.out, reproducible=args.reproducible)
+    main(
+        with_common_options(AdaptiveClippingStudyConfig(), args),
+        args.out,
+        reproducible=args.reproducible,
+    )
 
 
 if __name__ == "__main__":

@@ -42,11 +42,16 @@ import jax.numpy as jnp
 import numpy as np
 from sklearn.linear_model import LogisticRegression
 
-from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import audit as mixmin_audit
 from dpmix_jax.mixing import dp_mixmin
 from dpmix_jax.privacy import audit, audit_runs, plan
 from experiments import audit_releases
+from experiments.common_args import (
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.audit import AuditConfig, get_config
 
 # --------------------------------------------------------------------------------------------
@@ -559,8 +564,9 @@ if __name__ == "__main__":
             default=None,
             help="share the other units' batches across trials (default: the preset's choice)",
         )
+        add_seeds_option(parser, single=True)
         args = parser.parse_args()
-        chosen = get_config(args.preset)
+        chosen = with_common_options(get_config(args.preset), args)
         if args.known_batches is not None:
             chosen = dataclasses.replace(chosen, known_batches=args.known_batches)
         outcome = main(chosen, args.out)

@@ -36,8 +36,8 @@ load average before and after, and `noise_seeded` (every noise key is fixed: the
 synthetic, nothing here is private). `performance_table`, `lora_table` and `pate_table` render
 a stored result as the README's and docs/lora.md's markdown tables.
 
-Usage: `python -m experiments.bench_grads --preset cpu --json runs/bench.json` (the Opacus rows need
-the `compare` extra: `pip install -e '.[compare]'`).
+Usage: `python -m experiments.bench_grads --preset cpu --out runs/bench_cpu` (writes bench.json; the
+Opacus rows need the `compare` extra: `pip install -e '.[compare]'`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dpmix_jax.cli import experiment_main, experiment_parser
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, lora
 from dpmix_jax.pate import samplers
@@ -68,6 +67,7 @@ from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import correlated_noise, noise
 from dpmix_jax.train import engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
+from experiments.common_args import experiment_main, experiment_parser
 from experiments.configs.bench_grads import (
     GPT2_ONLY_METHODS,
     PRESETS,
@@ -817,7 +817,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = experiment_parser(
         "bench_grads",
         __doc__.splitlines()[0],
-        examples=("--preset cpu --json runs/bench.json", "--preset cpu_small", "--preset gpu"),
+        examples=("--preset cpu --out runs/bench_cpu", "--preset cpu_small", "--preset gpu"),
     )
     parser.add_argument(
         "--preset",
@@ -827,10 +827,11 @@ def main(argv: list[str] | None = None) -> dict:
         "GPT-2 small on CPU; gpu: ResNet-18 and GPT-2 small on an accelerator",
     )
     parser.add_argument(
-        "--json",
-        default=None,
-        metavar="PATH",
-        help="also write the results as JSON to PATH (default: no file)",
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/bench_grads"),
+        metavar="DIR",
+        help="output folder: bench.json, the results with their provenance",
     )
     args = parser.parse_args(argv)
     config = get_config(args.preset)
@@ -872,11 +873,10 @@ def main(argv: list[str] | None = None) -> dict:
         cost = base[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]
         print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:9.1f} "
               f"{cost:6.2f}x")  # fmt: skip
-    if args.json:
-        pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "bench.json", "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
     return report
 
 

@@ -23,9 +23,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.mixing import objectives, solvers  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.k_scaling import mixture_problem  # noqa: E402
 
 
@@ -176,9 +182,10 @@ def cli() -> None:
         metavar="DIR",
         help="output folder: clip_study.md, clip_study.png",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
     args = parser.parse_args()
-    main(ClipStudyConfig(), args.out, reproducible=args.reproducible)
+    main(with_common_options(ClipStudyConfig(), args), args.out, reproducible=args.reproducible)
 
 
 if __name__ == "__main__":

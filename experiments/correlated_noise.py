@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax import mixing
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pipeline import common, presets, text_presets
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.pipeline.image import ImagePipeline
@@ -41,6 +40,13 @@ from dpmix_jax.pipeline.text import TextPipeline
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, correlated_noise, noise, randomness
 from dpmix_jax.train import fit
 from dpmix_jax.train.engine import Optimizer
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.k_scaling import mixture_problem
 
 
@@ -443,9 +449,12 @@ def cli(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="output folder: results.json, results.md, stages/",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
     args = parser.parse_args(argv)
-    return main(CorrelatedNoiseConfig(), args.out, reproducible=args.reproducible)
+    return main(
+        with_common_options(CorrelatedNoiseConfig(), args), args.out, reproducible=args.reproducible
+    )
 
 
 if __name__ == "__main__":

@@ -14,12 +14,19 @@ import pathlib
 
 import numpy as np
 
-from dpmix_jax.cli import add_chest_xray_roots, add_reproducible_flag, experiment_parser
 from dpmix_jax.data import cxr
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import summarize
 from dpmix_jax.privacy import SEEDED_NOTE
+from experiments.common_args import (
+    add_chest_xray_roots,
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.nih import CxrExperimentConfig, get_config
 
 # G of `--privacy-unit patient` unless given: a NIH patient has 3.6 images on average.
@@ -83,6 +90,7 @@ def main(
     out_dir: pathlib.Path,
     *,
     reproducible: bool = False,
+    progress: bool = True,
     **roots: pathlib.Path,
 ) -> dict:
     """Runs every task's comparison and writes `macro.json` and `macro.md` to `out_dir`, each
@@ -108,6 +116,7 @@ def main(
             true_weights=task.true_weights,
             source_names=task.source_names,
             privacy_unit=unit,
+            progress=progress,
         )
     macro = macro_table(per_task, unit)
     (out_dir / "macro.json").write_text(json.dumps(macro, indent=1))
@@ -172,11 +181,13 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         f"(default {DEFAULT_MAX_IMAGES_PER_PATIENT}; a patient's other images are left out of "
         "that step)",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke and args.preset != "paper":
         parser.error("--smoke applies to --preset paper")
-    config = get_config(public, args.preset, smoke=args.smoke)
+    config = with_common_options(get_config(public, args.preset, smoke=args.smoke), args)
     if args.privacy_unit == "patient" and args.preset != "paper":
         parser.error("--privacy-unit patient needs NIH patient ids: use --preset paper")
     limit = args.max_images_per_patient
@@ -193,4 +204,5 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         nih_root=args.nih_root,
         public_root=args.public_root,
         reproducible=args.reproducible,
+        progress=not args.quiet,
     )

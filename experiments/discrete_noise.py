@@ -21,10 +21,16 @@ import time
 import dp_accounting
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +43,7 @@ class DiscreteNoiseConfig:
         laplace_epsilons: per-call ε of DPARGMAX / DPWS (Laplace scale 2/ε).
         gaussian_sigmas: σ of the Gaussian noisy argmax (integers: σ² is an exact integer).
         delta: δ of the ε comparison.
+        seed: the samplers' seed with `--reproducible`.
     """
 
     vocab_size: int = 50_257
@@ -44,6 +51,7 @@ class DiscreteNoiseConfig:
     laplace_epsilons: tuple[float, ...] = (0.1, 0.5, 1.0, 2.0)
     gaussian_sigmas: tuple[int, ...] = (1, 2, 5, 10, 40)
     delta: float = 1e-5
+    seed: int = 0
 
     def __post_init__(self) -> None:
         accounting.check_steps(self.vocab_size, "vocab_size")
@@ -158,7 +166,7 @@ def main(
 ) -> dict:
     """Runs the study; returns the results (also written to `out` when given)."""
     start = time.time()
-    rng = discrete_noise.make_rng(np.random.default_rng(0) if reproducible else None)
+    rng = discrete_noise.make_rng(np.random.default_rng(config.seed) if reproducible else None)
     results = {
         "config": dataclasses.asdict(config),
         **provenance(),
@@ -187,9 +195,12 @@ def cli(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="output folder: discrete_noise.json, discrete_noise.md",
     )
-    add_reproducible_flag(parser, seeds="seed 0")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser, single=True, default="the study's")
     args = parser.parse_args(argv)
-    return main(DiscreteNoiseConfig(), args.out, reproducible=args.reproducible)
+    return main(
+        with_common_options(DiscreteNoiseConfig(), args), args.out, reproducible=args.reproducible
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import pathlib
 import time
 from types import ModuleType
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.pipeline import run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.text import (
@@ -26,6 +25,14 @@ from dpmix_jax.pipeline.text import (
     require_paths,
 )
 from dpmix_jax.pipeline.text_presets import text_task
+from experiments.common_args import (
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs import enron as configs
 from experiments.configs.enron import TextExperimentConfig
 
@@ -48,7 +55,11 @@ def build_task(config: TextExperimentConfig) -> DomainTextTask:
 
 
 def main(
-    config: TextExperimentConfig, out_dir: str | pathlib.Path, *, reproducible: bool = False
+    config: TextExperimentConfig,
+    out_dir: str | pathlib.Path,
+    *,
+    reproducible: bool = False,
+    progress: bool = True,
 ) -> dict:
     """Runs the comparison for every ρ; returns `{ρ: results.json content}`.
 
@@ -73,6 +84,7 @@ def main(
             seeds=config.seeds,
             out_dir=run_dir,
             true_weights=task.true_weights,
+            progress=progress,
         )
         tables.append((run_dir / "results.md").read_text())
     seconds = time.time() - start
@@ -126,21 +138,26 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
         "methods, but 1-2 steps of one or two units per stage, one ρ, one seed and ε = 1 (a "
         "test that the paper path runs on a small folder; its perplexities mean nothing)",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke and args.preset != "paper":
         parser.error("--smoke applies to --preset paper")
-    config = configs_module.get_config(
-        args.preset,
-        data_root=args.data_root,
-        weights_root=args.weights_root,
-        smoke_test=args.smoke,
+    config = with_common_options(
+        configs_module.get_config(
+            args.preset,
+            data_root=args.data_root,
+            weights_root=args.weights_root,
+            smoke_test=args.smoke,
+        ),
+        args,
     )
     try:
         require_paths(config.input_paths())
     except ValueError as err:
         raise SystemExit(f"error: {err} (see {configs_module.__name__})") from err
-    main(config, args.out, reproducible=args.reproducible)
+    main(config, args.out, reproducible=args.reproducible, progress=not args.quiet)
     print((args.out / "results.md").read_text())
 
 

@@ -20,16 +20,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import (  # noqa: E402
-    add_chest_xray_roots,
-    add_reproducible_flag,
-    experiment_main,
-    experiment_parser,
-)
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
 from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
 from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
+from experiments.common_args import (
+    add_chest_xray_roots,
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs import gsd as configs  # noqa: E402
 
 CONTROL = "control: transposed images"
@@ -305,10 +308,12 @@ def cli() -> None:
         help="output folder: gsd.json, gsd.md, gsd.png, stages/",
     )
     add_chest_xray_roots(parser, public="chexpert")
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
     args = parser.parse_args()
     main(
-        configs.get_config(args.preset),
+        with_common_options(configs.get_config(args.preset), args),
         args.out,
         reproducible=args.reproducible,
         nih_root=args.nih_root,

@@ -40,7 +40,6 @@ import matplotlib
 import numpy as np
 from flax import nnx
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
@@ -58,6 +57,13 @@ from dpmix_jax.pate.public import (
 from dpmix_jax.pate.teachers import InContextTeachers, build_prompts, partition_records
 from dpmix_jax.pipeline.common import fingerprint
 from dpmix_jax.privacy import SEEDED_NOTE, randomness
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.hot_pate import HotPateConfig, NaturalConfig, get_config
 
 matplotlib.use("Agg")
@@ -1012,9 +1018,15 @@ if __name__ == "__main__":
             metavar="LIST",
             help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
         )
-        add_reproducible_flag(parser, seeds="the config's seed")
+        add_reproducible_flag(parser, seeds="--seeds")
+        add_seeds_option(parser, single=True)
         args = parser.parse_args()
         chosen = tuple(p.strip() for p in args.parts.split(",") if p.strip())
         if not chosen or set(chosen) - set(PARTS):
             parser.error(f"--parts must list some of {','.join(PARTS)}, got {args.parts!r}")
-        main(get_config(args.preset), args.out, reproducible=args.reproducible, parts=chosen)
+        main(
+            with_common_options(get_config(args.preset), args),
+            args.out,
+            reproducible=args.reproducible,
+            parts=chosen,
+        )

@@ -34,11 +34,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.data import builtin  # noqa: E402
 from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from dpmix_jax.train import IndexedData, evaluate, proxies  # noqa: E402
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs import k_scaling as configs  # noqa: E402
 
 PAPER_SLOPE = 0.49
@@ -758,13 +764,16 @@ def cli(argv: list[str] | None = None) -> dict:
         " but k in {2, 4, 8}, one seed, two tasks, n = 8 and one proxy step of batch 2 (a test"
         " that the paper path runs; its excess losses mean nothing)",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
     args = parser.parse_args(argv)
     if args.smoke and args.preset != "paper":
         parser.error("--smoke applies to --preset paper")
     if args.smoke and args.proxies != "trained":
         parser.error("--smoke applies to the trained proxies, not --proxies synthetic")
-    config = configs.get_config(args.preset, args.proxies, smoke_test=args.smoke)
+    config = with_common_options(
+        configs.get_config(args.preset, args.proxies, smoke_test=args.smoke), args
+    )
     return main(config, args.out, reproducible=args.reproducible)
 
 

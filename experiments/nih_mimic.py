@@ -1,7 +1,7 @@
 """NIH ChestX-ray14 with MIMIC-CXR as public data. Command and expected numbers:
 `experiments/configs/nih.py`."""
 
-from dpmix_jax.cli import experiment_main
+from experiments.common_args import experiment_main
 from experiments.cxr import cli
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dpmix_jax.cli import experiment_main
+from experiments.common_args import experiment_main
 from experiments.configs import openwebmath as configs
 from experiments.enron import cli, main
 

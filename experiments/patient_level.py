@@ -29,12 +29,19 @@ import time
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.sources import ArraySource
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance, summarize
 from dpmix_jax.privacy import SEEDED_NOTE
+from experiments.common_args import (
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,7 +118,13 @@ def with_synthetic_patients(
     return dataclasses.replace(task, name=f"{task.name}, synthetic patients", train=train)
 
 
-def main(config: PatientLevelConfig, out: pathlib.Path, *, reproducible: bool = False) -> dict:
+def main(
+    config: PatientLevelConfig,
+    out: pathlib.Path,
+    *,
+    reproducible: bool = False,
+    progress: bool = True,
+) -> dict:
     """Runs both units' comparisons; writes `results.json` and `results.md` to `out`."""
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -133,6 +146,7 @@ def main(config: PatientLevelConfig, out: pathlib.Path, *, reproducible: bool = 
             epsilons=config.epsilons,
             seeds=config.seeds,
             out_dir=out / unit,
+            progress=progress,
             true_weights=task.true_weights,
             source_names=task.source_names,
             privacy_unit=label,
@@ -241,9 +255,16 @@ def cli(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="output folder: results.json, results.md, image/ and patient/ comparisons, stages/",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
     args = parser.parse_args(argv)
-    return main(PatientLevelConfig(), args.out, reproducible=args.reproducible)
+    return main(
+        with_common_options(PatientLevelConfig(), args),
+        args.out,
+        reproducible=args.reproducible,
+        progress=not args.quiet,
+    )
 
 
 if __name__ == "__main__":

@@ -15,18 +15,21 @@ from typing import Any
 
 import numpy as np
 
-from dpmix_jax.cli import (
-    add_chest_xray_roots,
-    add_reproducible_flag,
-    experiment_main,
-    experiment_parser,
-)
 from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.mixing import cosine_similarity
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance, provenance_line, randomness_line
 from dpmix_jax.privacy.accounting import format_epsilon
+from experiments.common_args import (
+    add_chest_xray_roots,
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.configs.per_task import PerTaskConfig, get_config
 
@@ -550,10 +553,11 @@ if __name__ == "__main__":
             help="output folder: results.md, results.json, per_task_gains.png, task<i>/",
         )
         add_chest_xray_roots(parser, public=None)
-        parser.add_argument("--quiet", action="store_true", help="no progress bars")
-        add_reproducible_flag(parser, seeds="the config's seeds")
+        add_reproducible_flag(parser, seeds="--seeds")
+        add_seeds_option(parser)
+        add_quiet_flag(parser)
         args = parser.parse_args()
-        config = get_config(args.preset)
+        config = with_common_options(get_config(args.preset), args)
         main(
             config,
             args.out,

@@ -9,52 +9,84 @@ and the printed (ε, δ) is the ledger's for the steps run (ε <= 2 at δ = 1e-5
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from sklearn.datasets import load_digits
-
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
-from dpmix_jax.privacy import (
-    SEEDED_NOTE,
-    DpSgdConfig,
-    PrivacyLedger,
-    clipped_grad_sum,
-    make_dp_sgd_step,
-    plan_dp_sgd,
-    private_optimizer,
-    randomness,
-)
+from dpmix_jax import cli
+from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 
 
 def example_loss(params, example):
+    import jax
+
     logits = example["x"] @ params["w"] + params["b"]
     return -jax.nn.log_softmax(logits)[example["y"]]
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> list[dict[str, float]]:
+    """Trains once per ε and seed of the command line; returns each run's accuracy and spent ε."""
     parser = experiment_parser(
-        "quickstart", __doc__.splitlines()[0], examples=("", "--epsilon 1 --steps 100")
+        "quickstart",
+        __doc__.splitlines()[0],
+        examples=("", "--epsilons 1 --steps 100", "--epsilons 0.5 2 --seeds 0 1"),
     )
     parser.add_argument(
-        "--epsilon", type=float, default=2.0, metavar="EPS", help="target ε (δ = 1e-5)"
+        "--epsilons",
+        type=float,
+        nargs="+",
+        default=[2.0],
+        metavar="EPS",
+        help="target ε of each run (δ = 1e-5)",
     )
     parser.add_argument("--steps", type=int, default=300, metavar="T", help="DP-SGD steps")
-    parser.add_argument("--seed", type=int, default=0, metavar="SEED", help="the train/test split")
-    add_reproducible_flag(parser, seeds="--seed")
+    parser.add_argument(
+        "--seeds",
+        type=cli.parse_seed,
+        nargs="+",
+        default=[0],
+        metavar="SEED",
+        help="one run per seed: the train/test split",
+    )
+    add_reproducible_flag(parser, seeds="--seeds")
     args = parser.parse_args(argv)
-    noise_seed = args.seed if args.reproducible else randomness.secret_seed()
+    return [
+        run_once(epsilon=epsilon, seed=seed, steps=args.steps, reproducible=args.reproducible)
+        for epsilon in args.epsilons
+        for seed in args.seeds
+    ]
+
+
+def run_once(*, epsilon: float, seed: int, steps: int, reproducible: bool) -> dict[str, float]:
+    """DP-SGD on the digits at target ε; prints the loss, accuracy and spent budget.
+
+    Privacy: the training split is the sensitive data; its noise and Poisson sampling come from
+    secret randomness unless `reproducible` (then from `seed`), and the printed ε is the
+    ledger's for the steps run.
+    """
+    # Imported here, so that `--help` answers without loading JAX.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from sklearn.datasets import load_digits
+
+    from dpmix_jax.privacy import (
+        SEEDED_NOTE,
+        DpSgdConfig,
+        PrivacyLedger,
+        clipped_grad_sum,
+        make_dp_sgd_step,
+        plan_dp_sgd,
+        private_optimizer,
+        randomness,
+    )
+
+    noise_seed = seed if reproducible else randomness.secret_seed()
 
     digits = load_digits()
     x = (digits.data / 16.0).astype(np.float32)
     y = digits.target.astype(np.int32)
-    order = np.random.default_rng(args.seed).permutation(len(x))
+    order = np.random.default_rng(seed).permutation(len(x))
     train, test = order[:1400], order[1400:]
 
-    config = DpSgdConfig(
-        epsilon=args.epsilon, delta=1e-5, clip_norm=1.0, batch_size=128, steps=args.steps
-    )
+    config = DpSgdConfig(epsilon=epsilon, delta=1e-5, clip_norm=1.0, batch_size=128, steps=steps)
     plan = plan_dp_sgd(config, num_units=len(train))
     grad_sum = clipped_grad_sum(example_loss, clip_norm=config.clip_norm)
     optimizer = private_optimizer(
@@ -72,7 +104,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         lambda p, xs, ys: jnp.mean(jax.vmap(example_loss, in_axes=(None, 0))(p, {"x": xs, "y": ys}))
     )
 
-    print(f"σ = {plan.noise_multiplier:.3f}, q = {plan.sampling_rate:.4f}, T = {config.steps}")
+    print(
+        f"target ε = {epsilon:g}, seed {seed}: σ = {plan.noise_multiplier:.3f}, "
+        f"q = {plan.sampling_rate:.4f}, T = {config.steps}"
+    )
     print(f"{'step':>5} {'train loss':>10}")
     for t in range(1, config.steps + 1):
         batch = sampler.sample(rng, len(train))
@@ -84,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     accuracy = float(np.mean(np.argmax(x[test] @ params["w"] + params["b"], axis=1) == y[test]))
     budget = ledger.budget(config.delta)
     print(f"test accuracy {accuracy:.3f}; spent {budget} over {ledger.count} steps")
-    print(SEEDED_NOTE if args.reproducible else "noise and sampling secret (operating system)")
+    print(SEEDED_NOTE if reproducible else "noise and sampling secret (operating system)")
     return {"accuracy": accuracy, "epsilon": budget.epsilon}
 
 

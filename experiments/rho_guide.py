@@ -23,8 +23,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs import rho_guide as configs  # noqa: E402
 from experiments.k_scaling import gradient_norms, loglog_slope, mixture_problem  # noqa: E402
 
@@ -318,9 +324,14 @@ def cli() -> None:
         metavar="DIR",
         help="output folder: rho_guide.json, rho_guide.md, rho_guide.png",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
     args = parser.parse_args()
-    main(configs.get_config(args.preset), args.out, reproducible=args.reproducible)
+    main(
+        with_common_options(configs.get_config(args.preset), args),
+        args.out,
+        reproducible=args.reproducible,
+    )
 
 
 if __name__ == "__main__":

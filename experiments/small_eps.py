@@ -22,17 +22,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.cli import (  # noqa: E402
-    add_chest_xray_roots,
-    add_reproducible_flag,
-    experiment_main,
-    experiment_parser,
-)
 from dpmix_jax.mixing import cosine_similarity, dp_mixmin  # noqa: E402
 from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
 from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
 from dpmix_jax.pipeline.text_presets import text_task  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
+from experiments.common_args import (
+    add_chest_xray_roots,
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs import small_eps as configs  # noqa: E402
 
 # The papers' cosines to non-private MixMin (Tables 11, 14, 15): (DP-MixMin, uniform reference).
@@ -436,10 +439,14 @@ def cli(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="paper preset: holds gpt2/ (the proxies' starting weights)",
     )
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
     args = parser.parse_args(argv)
     return main(
-        configs.get_config(args.preset, weights_root=str(args.weights_root)),
+        with_common_options(
+            configs.get_config(args.preset, weights_root=str(args.weights_root)), args
+        ),
         args.out,
         reproducible=args.reproducible,
         run_sweep=not args.no_sweep,

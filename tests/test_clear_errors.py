@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -20,10 +21,11 @@ import time
 import pytest
 from PIL import Image
 
-from dpmix_jax import cli
+from dpmix_jax import cli, interrupt
 from dpmix_jax.data import text, tfds_sources
 from dpmix_jax.data.tokenizer import gpt2_tokenizer, train_bpe_tokenizer
 from dpmix_jax.pipeline import presets
+from experiments import common_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -69,27 +71,85 @@ def test_ctrl_c_says_how_to_resume_and_exits_130(capsys, monkeypatch):
     _fail_with(monkeypatch, interrupt)
     line = _one_line(capsys, status=130)
     assert line == f"dpmix: {cli.INTERRUPTED}"
-    assert "rerun the same command with the same --out" in line
+    assert "rerun the same command (same --out)" in line and "privacy ledger is kept" in line
 
 
-def test_ctrl_c_inside_a_garbage_collection_callback_still_stops_the_run(capsys, monkeypatch):
-    """JAX's gc callback cannot raise: Python prints the interrupt and ignores it."""
+def _ctrl_c_in_gc_callback(times: int):
+    """Ctrl-C (`times` SIGINTs) arriving while JAX's kind of gc callback runs, where Python
+    cannot raise: the interrupt it raises there is printed as ignored and dropped."""
 
     def interrupted_callback(phase, info):
         gc.callbacks.remove(interrupted_callback)
-        raise KeyboardInterrupt
+        for _ in range(times):
+            signal.raise_signal(signal.SIGINT)
+
+    gc.callbacks.append(interrupted_callback)
+    gc.collect()
+    assert interrupted_callback not in gc.callbacks
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_ctrl_c_in_a_callback_stops_the_run_at_its_next_step(times, capsys, monkeypatch):
+    steps = []
 
     def work():
-        gc.callbacks.append(interrupted_callback)
-        gc.collect()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:  # the interrupt arrives while this runs
+        _ctrl_c_in_gc_callback(times)
+        for step in range(10_000):  # a training loop: each step is a safe point
+            interrupt.raise_if_interrupted()
+            steps.append(step)
+            time.sleep(0.001)
+
+    _fail_with(monkeypatch, work)
+    line = _one_line(capsys, status=130)  # nothing printed about the dropped interrupt
+    assert line == f"dpmix: {cli.INTERRUPTED}"
+    assert steps == []  # stopped at the first safe point after Ctrl-C
+
+
+def test_ctrl_c_in_a_callback_stops_work_without_safe_points_after_the_grace(capsys, monkeypatch):
+    monkeypatch.setattr(interrupt, "GRACE_SECONDS", 0.2)
+    started = time.monotonic()
+
+    def work():
+        _ctrl_c_in_gc_callback(2)  # the second one raises in the callback, and is dropped
+        while time.monotonic() < started + 30:  # no safe point: interrupted anyway
             time.sleep(0.001)
 
     _fail_with(monkeypatch, work)
     line = _one_line(capsys, status=130)
     assert line == f"dpmix: {cli.INTERRUPTED}"
-    assert interrupted_callback not in gc.callbacks
+    assert time.monotonic() - started < 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_in_one_line_and_the_same_command_resumes(tmp_path):
+    out = tmp_path / "demo"
+    command = [
+        sys.executable, "-m", "dpmix_jax.cli", "demo", "--out", str(out), "--epsilons", "1",
+        "--seeds", "0", "--methods", "uniform", "random_init", "--reproducible",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    stderr = tmp_path / "stderr"
+    with stderr.open("w") as err:
+        demo = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=err)
+        deadline = time.monotonic() + 600
+        while "1/2 [" not in stderr.read_text() and demo.poll() is None:  # the first run done
+            assert time.monotonic() < deadline, stderr.read_text()
+            time.sleep(0.2)
+        demo.send_signal(signal.SIGINT)
+        demo.communicate(timeout=120)
+    lines = [line for line in stderr.read_text().replace("\r", "\n").splitlines() if line]
+    progress = ("digits (MNIST-5k", " ")  # the progress bar's lines
+    messages = [line for line in lines if not line.startswith(progress)]
+    assert demo.returncode == 130, messages
+    assert messages == [f"dpmix: {cli.INTERRUPTED}"]
+    assert not (out / "results.json").exists()
+
+    resumed = subprocess.run(command + ["--quiet"], cwd=tmp_path, env=env, capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    results = json.loads((out / "results.json").read_text())
+    assert results["reused_runs"] >= 1  # the finished run is read back, not run again
+    assert {run["method"] for run in results["runs"]} == {"uniform", "random_init"}
 
 
 # ------------------------------------------------------------------------------------------
@@ -191,7 +251,7 @@ def test_experiment_output_folder_in_use_is_refused_when_parsed(tmp_path, capsys
 
     monkeypatch.setattr(k_scaling, "main", loaded)
     held = _held_by_process_4242(tmp_path)
-    with held, pytest.raises(SystemExit) as exit_info, cli.experiment_main("k_scaling"):
+    with held, pytest.raises(SystemExit) as exit_info, common_args.experiment_main("k_scaling"):
         k_scaling.cli(["--out", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
@@ -237,7 +297,7 @@ def _run_module(name, *args, env=None):
 
 
 def test_experiment_module_reports_bad_arguments_in_one_line():
-    done = _run_module("quickstart", "--epsilon", "0")
+    done = _run_module("quickstart", "--epsilons", "0")
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (

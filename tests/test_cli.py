@@ -9,6 +9,8 @@ import pytest
 
 from dpmix_jax import cli
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def test_help_lists_the_commands(capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -118,12 +120,111 @@ def test_help_shows_every_option_with_its_default(argv, prog, monkeypatch, capsy
             assert f"(default: {action.default})" in flat, (prog, action.dest, action.default)
 
 
+# The options that mean the same in every command; an experiment lacks one only for a reason.
+ONE_SEED = {"audit", "discrete_noise", "hot_pate"}  # one run, from the config's `seed`
+NO_SEEDS = {"bench_grads"}  # fixed keys: a timing benchmark, no repetitions, nothing private
+NOT_REPRODUCIBLE = {"audit", "bench_grads"}  # their randomness is always seeded
+NO_OUT = {"quickstart"}  # prints its results, writes nothing
+SHOWS_PROGRESS = {
+    "nih_chexpert", "nih_mimic", "enron", "openwebmath", "ablations", "per_task",
+    "patient_level", "small_eps", "gsd",
+}  # fmt: skip
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace: argparse.Namespace):
+        self.namespace = namespace
+
+
+def _parsed(argv, monkeypatch) -> argparse.Namespace:
+    """The arguments `dpmix ARGV` gives its command (stopped once they are parsed)."""
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, *args, **kwargs):
+        raise _Parsed(parse_args(self, *args, **kwargs))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    with pytest.raises(_Parsed) as parsed:
+        cli.main(argv)
+    return parsed.value.namespace
+
+
+@pytest.mark.parametrize("name", ["demo", *cli.EXPERIMENTS])
+def test_every_command_takes_the_common_options(name, tmp_path, monkeypatch):
+    seeds = [] if name in NO_SEEDS else ["3"] if name in ONE_SEED else ["3", "4"]
+    argv = [
+        *(["--out", str(tmp_path / "out")] if name not in NO_OUT else []),
+        *(["--seeds", *seeds] if seeds else []),
+        *(["--quiet"] if name in SHOWS_PROGRESS or name == "demo" else []),
+        *(["--reproducible"] if name not in NOT_REPRODUCIBLE else []),
+    ]
+    if name == "demo":
+        args, _ = cli._parser().parse_known_args(["demo", *argv])
+    else:
+        args = _parsed(["run", name, *argv], monkeypatch)
+    assert getattr(args, "seeds", None) == ([int(seed) for seed in seeds] if seeds else None)
+    assert getattr(args, "quiet", False) == ("--quiet" in argv)
+    assert getattr(args, "reproducible", False) == ("--reproducible" in argv)
+    if name not in NO_OUT:
+        assert pathlib.Path(args.out) == tmp_path / "out"
+    assert not vars(args).keys() & {"seed", "epsilon", "json"}  # no singular or stray forms
+
+
+def test_common_options_reach_the_config():
+    from experiments.common_args import with_common_options
+    from experiments.configs import hot_pate, nih, per_task
+
+    config = per_task.get_config("paper")
+    assert config.pipeline.finetune.progress  # the paper preset shows training progress
+    quiet = with_common_options(config, argparse.Namespace(seeds=[5, 6], quiet=True))
+    assert quiet.seeds == (5, 6)
+    assert not any(
+        stage.progress
+        for stage in (quiet.pipeline.proxy, quiet.pipeline.pretrain, quiet.pipeline.finetune)
+    )
+    unchanged = with_common_options(config, argparse.Namespace(seeds=None, quiet=False))
+    assert unchanged == config
+    assert with_common_options(hot_pate.get_config("tiny"), argparse.Namespace(seeds=[7])).seed == 7
+    with pytest.raises(ValueError, match="argument --seeds: this experiment runs one seed"):
+        with_common_options(hot_pate.get_config("tiny"), argparse.Namespace(seeds=[7, 8]))
+    assert nih.get_config("chexpert", "cpu").seeds != (9,)
+    assert with_common_options(
+        nih.get_config("chexpert", "cpu"), argparse.Namespace(seeds=[9])
+    ).seeds == (9,)
+
+
 def test_run_help_lists_the_experiments(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     out = capsys.readouterr().out
     for name, text in cli.EXPERIMENTS.items():
         assert f"{name}  " in out and text in out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "experiments.quickstart", "--help"],
+        ["-m", "dpmix_jax.cli", "run", "quickstart", "--help"],
+    ],
+)
+def test_experiment_help_answers_without_loading_jax(argv):
+    # `--help` exits at parsing; JAX, the accountants and the data are imported after it.
+    check = (
+        "import runpy, sys\n"
+        f"sys.argv = {[argv[1], *argv[2:]]!r}\n"
+        "try:\n"
+        f"    runpy.run_module({argv[1]!r}, run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exit_info:\n"
+        "    assert exit_info.code == 0, exit_info.code\n"
+        "loaded = sorted(m for m in ('jax', 'numpy', 'dp_accounting') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout and "--reproducible" in done.stdout
 
 
 def test_version(capsys):

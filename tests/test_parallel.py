@@ -82,9 +82,9 @@ def test_mesh_flag_parsing_and_the_active_mesh_reaches_the_trainer():
 
 
 def test_every_experiment_takes_mesh_and_distributed():
-    from dpmix_jax import cli
+    from experiments import common_args
 
-    parser = cli.experiment_parser("quickstart", "test")
+    parser = common_args.experiment_parser("quickstart", "test")
     try:
         args = parser.parse_args(["--mesh", f"data={jax.device_count()}"])
         assert args.mesh == f"data={jax.device_count()}" and not args.distributed

@@ -148,7 +148,7 @@ def test_readme_command_parses_and_starts(command, monkeypatch, tmp_path, capsys
     real_command = cli._command
 
     monkeypatch.setattr(cli, "_command", start)
-    monkeypatch.setattr(cli, "_use_mesh", lambda args: args.mesh and parallel.parse_mesh(args.mesh))
+    monkeypatch.setattr(cli, "use_mesh", lambda args: args.mesh and parallel.parse_mesh(args.mesh))
     try:
         assert cli.main(argv) == 0
     except SystemExit as exit_info:  # `--help` and `--version` exit 0 after printing

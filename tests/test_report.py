@@ -148,6 +148,61 @@ def test_a_resumed_comparison_says_what_it_reused(tmp_path, capsys):
     assert "2 of them read back from stored stages" in (tmp_path / "results.md").read_text()
 
 
+def _compare(fake, out_dir, monkeypatch, command, seeds=(0, 1)):
+    monkeypatch.setattr(compare, "provenance", lambda: {"command": command, "commit": command})
+    return compare.run_comparison(
+        fake,
+        dataset="toy",
+        metric="test AUC",
+        higher_is_better=True,
+        methods=["uniform", "random_init"],
+        epsilons=[1.0],
+        seeds=list(seeds),
+        out_dir=out_dir,
+        progress=False,
+    )
+
+
+def test_a_rerun_that_only_reads_back_keeps_the_provenance_of_the_computing_run(
+    tmp_path, monkeypatch
+):
+    out = tmp_path / "run"
+    everything = {(m, s) for m in ("uniform", "random_init") for s in (0, 1)}
+    computed = _compare(_FakePipeline(out / "stages", stored=()), out, monkeypatch, "first")
+    assert computed["reused_runs"] == 0
+    read_back = _compare(
+        _FakePipeline(out / "stages", stored=everything), out, monkeypatch, "again"
+    )
+    for key in ("provenance", "seconds", "reused_runs"):
+        assert read_back[key] == computed[key], key
+    assert json.loads((out / "results.json").read_text())["provenance"]["command"] == "first"
+    line = compare.provenance_line(read_back)
+    assert "`first`" in line and "read back" not in line
+    # `dpmix report --add` copies the origin of the numbers, not that of the rerun.
+    report.add_results("toy", out, tmp_path / "results")
+    copied = json.loads((tmp_path / "results" / "toy.json").read_text())
+    assert copied["provenance"]["command"] == "first"
+
+    # A rerun that computes a run is a run of its own: its provenance replaces the stored one.
+    partly = _compare(
+        _FakePipeline(out / "stages", stored=everything - {("uniform", 1)}),
+        out,
+        monkeypatch,
+        "resumed",
+    )
+    assert partly["provenance"]["command"] == "resumed" and partly["reused_runs"] == 3
+
+
+def test_runs_read_back_into_a_folder_with_other_results_say_so(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    _compare(_FakePipeline(out / "stages", stored=()), out, monkeypatch, "seed 0", seeds=(0,))
+    everything = {(m, s) for m in ("uniform", "random_init") for s in (0, 1)}
+    # Seed 1's runs come from other commands (stored stages shared): no single origin to keep.
+    merged = _compare(_FakePipeline(out / "stages", stored=everything), out, monkeypatch, "both")
+    assert merged["provenance"]["command"] == "both" and merged["reused_runs"] == 4
+    assert "4 of them read back from stored stages" in compare.provenance_line(merged)
+
+
 def test_the_progress_text_names_run_stage_and_step(tmp_path):
     progress = compare._GridProgress(3, "toy", enabled=False, store=tmp_path)
     progress.start_run("dp_mixmin ε=1 seed=0")

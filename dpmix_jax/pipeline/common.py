@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 import dpmix_jax
-from dpmix_jax import parallel
+from dpmix_jax import interrupt, parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.pipeline import folders
 from dpmix_jax.privacy import accounting, assign_parts, plan, randomness
@@ -516,6 +516,7 @@ class MixturePipeline(abc.ABC):
         self._listeners.remove(listener)
 
     def _on_stage(self, name: str) -> None:
+        interrupt.raise_if_interrupted()
         if self._stage_callback is not None:
             self._stage_callback(name)
         for listener in self._listeners:

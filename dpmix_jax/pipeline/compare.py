@@ -5,7 +5,9 @@
 "utility", "weights", "private", ...}], "true_weights", "methods", "source_names", "seconds",
 "reused_runs", "provenance"}`; every ε in it is the ε the accountants reported for what ran
 (`spent_epsilon`), beside the target (`epsilon`). `provenance` records the command, date, commit,
-package version and machine of the run, so that a number copied from it can be traced.
+package version and machine of the run, so that a number copied from it can be traced; a rerun
+that reads every run back from stored stages keeps the provenance, `seconds` and `reused_runs` of
+the run that computed them.
 `noise_seeded` (per run, and overall when any run was) is True when the seeds drove the private
 randomness: reproducible, and not private against anyone who knows the seed (`results.md` then
 says `privacy.SEEDED_NOTE`); otherwise the randomness was secret and `seed` only numbers the
@@ -33,7 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import tqdm
 
-from dpmix_jax import parallel
+from dpmix_jax import interrupt, parallel
 from dpmix_jax.mixing import cosine_similarity, l1_distance
 from dpmix_jax.pipeline import common, folders
 from dpmix_jax.privacy import SEEDED_NOTE
@@ -234,6 +236,7 @@ def run_comparison(
         runs = []
         try:
             for seed, epsilon, method in grid:
+                interrupt.raise_if_interrupted()
                 bar.start_run(f"{method} ε={epsilon:g} seed={seed}")
                 runs.append(pipeline.run(method, float(epsilon), int(seed)).to_json())
                 bar.finish_run()
@@ -256,6 +259,8 @@ def run_comparison(
         if privacy_unit is not None:
             results["privacy_unit"] = privacy_unit
         _add_weight_quality(results, reference_method)
+        if runs and bar.reused_runs == len(runs):
+            _keep_provenance_of_computing_run(results, out_dir)
 
         def write():
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
@@ -264,6 +269,32 @@ def run_comparison(
 
         parallel.on_main_process(write)  # a multi-process run: process 0 writes the results
         return results
+
+
+# What a comparison that computed nothing keeps of the results file it rewrites.
+_COMPUTING_RUN_KEYS = ("provenance", "seconds", "reused_runs")
+
+
+def _keep_provenance_of_computing_run(results: dict[str, Any], out_dir: pathlib.Path) -> None:
+    """Gives `results`, whose every run was read back from stored stages, the provenance
+    (command, commit, date), wall time and read-back count of `out_dir/results.json` when that
+    file holds the same runs: its numbers are those of the run that computed them, and a
+    rerun that only reads them back must not rewrite their origin. Without such a file (runs
+    computed by several earlier commands), `results` keeps its own provenance, which says that
+    every run was read back."""
+    path = out_dir / "results.json"
+    if not path.exists():
+        return
+    previous = json.loads(path.read_text())  # readable: `_check_one_dataset` has parsed it
+    same_runs = json.dumps(previous.get("runs"), sort_keys=True) == json.dumps(
+        results["runs"], sort_keys=True
+    )
+    if same_runs and "provenance" in previous:
+        for key in _COMPUTING_RUN_KEYS:
+            if key in previous:
+                results[key] = previous[key]
+            else:
+                results.pop(key, None)
 
 
 def _check_one_dataset(out_dir: pathlib.Path, dataset: str) -> None:

@@ -44,7 +44,7 @@ import optax
 import tqdm
 from flax import nnx
 
-from dpmix_jax import parallel
+from dpmix_jax import interrupt, parallel
 from dpmix_jax.privacy import accounting, correlated_noise, cyclic_sampling, randomness
 from dpmix_jax.privacy.adaptive_clipping import (
     AdaptiveClipping,
@@ -908,6 +908,7 @@ def fit(
     flags: list[tuple[int, jax.Array]] = []  # steps not yet checked, with their finite flags
     bar = tqdm.trange(start, until, initial=start, total=until, disable=not config.progress)
     for step in bar:
+        interrupt.raise_if_interrupted()
         if config.private:
             cycle = (parts, step) if bandmf else None
             state, finite = trainer._checked_private_step(state, data, rng, cycle)
