@@ -655,7 +655,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     )
     generate.add_argument(
         "--seed",
-        type=_seed,
+        type=parse_seed,
         default=None,
         help="seed the partition, the samplers and the noise (reproducible; not private against "
         "anyone who knows it); default: secret randomness from the operating system",
@@ -683,7 +683,7 @@ def _generate(args: argparse.Namespace) -> int:
             "the data's size (at most the number of documents or users)"
         )
     _check_out_dir(args.out)
-    with _output_lock(args.out):
+    with output_lock(args.out):
         return _run_generate(args)
 
 
