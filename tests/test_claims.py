@@ -83,7 +83,7 @@ def test_the_stored_image_demo_is_reproduced_bit_for_bit(tmp_path):
         run = pipeline.run(method, 1.0, seed=0)
         want = expected[(method, 1.0, 0)]
         assert run.utility == want["utility"], method
-        assert run.spent_epsilon == want["spent_epsilon"], method
+        assert run.spent.epsilon == want["spent_epsilon"], method
         if want["weights"] is not None:
             np.testing.assert_array_equal(run.weights, want["weights"])
 
