@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
 from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
 from experiments.common_args import (
@@ -146,6 +147,7 @@ def main(
         noise_seeded=reproducible,
         per_seed=per_seed,
         seconds=time.time() - start,
+        provenance=provenance(),
     )
     write(out_dir, config, results)
     return results

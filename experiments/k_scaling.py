@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.data import builtin  # noqa: E402
 from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from dpmix_jax.train import IndexedData, evaluate, proxies  # noqa: E402
 from experiments.common_args import (
@@ -563,6 +564,7 @@ def main(
         "noise_multipliers": {str(t): s for t, s in noise_multiplier.items()},
         "noise_seeded": reproducible,
         "seconds": time.time() - start,
+        "provenance": provenance(),
         "rows": rows,
         **summary,
     }

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from experiments.common_args import (
     add_reproducible_flag,
@@ -160,6 +161,7 @@ def main(
         "summary": summarise(config, rows, clip_norm),
         "paper_points": paper_points(),
         "seconds": time.time() - start,
+        "provenance": provenance(),
     }
     print(markdown(config, results))
     if out is not None:

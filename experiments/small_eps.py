@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 from dpmix_jax.mixing import cosine_similarity, dp_mixmin  # noqa: E402
 from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
 from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.pipeline.text_presets import text_task  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
 from experiments.common_args import (
@@ -392,6 +393,7 @@ def main(
         "sweep": swept,
         "paper": {name: {str(e): v for e, v in cells.items()} for name, cells in PAPER.items()},
         "wall_s": time.time() - start,
+        "provenance": provenance(),
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)

@@ -236,25 +236,38 @@ def render(view: str, results: dict[str, Any], source: str) -> str:
 
 
 def add_results(name: str, run_dir: pathlib.Path, results_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Copies `run_dir/results.json` to `results_dir/NAME.json`, its `results.md` to NAME.md and
-    its plots to `results_dir/NAME_<plot>.png`; returns the written paths."""
+    """Copies `run_dir/results.json` (or the folder's one results JSON, such as `rho_guide.json`)
+    to `results_dir/NAME.json`, the markdown beside it to NAME.md and the run's plots to
+    `results_dir/NAME_<plot>.png`; returns the written paths."""
     if not re.fullmatch(r"[\w.-]+", name):
         raise ValueError(f"a results name uses letters, digits, '_', '-' and '.', got {name!r}.")
-    source = pathlib.Path(run_dir) / "results.json"
-    if not source.is_file():
-        raise ValueError(f"{source} does not exist: run the comparison into {run_dir} first.")
+    source = _results_file(pathlib.Path(run_dir))
     json.loads(source.read_text())  # a truncated file fails here, not in the README
     results_dir = pathlib.Path(results_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     written = [results_dir / f"{name}.json"]
     shutil.copyfile(source, written[0])
-    if (pathlib.Path(run_dir) / "results.md").is_file():
+    if source.with_suffix(".md").is_file():
         written.append(results_dir / f"{name}.md")
-        shutil.copyfile(pathlib.Path(run_dir) / "results.md", written[-1])
+        shutil.copyfile(source.with_suffix(".md"), written[-1])
     for plot in sorted(pathlib.Path(run_dir).glob("*.png")):
         written.append(results_dir / f"{name}_{plot.name}")
         shutil.copyfile(plot, written[-1])
     return written
+
+
+def _results_file(run_dir: pathlib.Path) -> pathlib.Path:
+    """`run_dir/results.json`, or the run folder's one other JSON file (`rho_guide.json`, ...)."""
+    if (run_dir / "results.json").is_file():
+        return run_dir / "results.json"
+    candidates = sorted(run_dir.glob("*.json"))
+    if len(candidates) == 1:
+        return candidates[0]
+    found = ", ".join(p.name for p in candidates) or "none"
+    raise ValueError(
+        f"{run_dir / 'results.json'} does not exist and the folder has not exactly one other "
+        f"results file (found: {found}): run the experiment into {run_dir} first."
+    )
 
 
 def rebuild(
