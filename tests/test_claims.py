@@ -88,6 +88,80 @@ def test_the_stored_image_demo_is_reproduced_bit_for_bit(tmp_path):
             np.testing.assert_array_equal(run.weights, want["weights"])
 
 
+def test_per_task_gains_are_largest_for_dp_mixmin_as_in_the_paper():
+    # The paper (Figure 3): DP-MixMin's mean relative gain over Random Init is about twice
+    # Uniform's and Random Search's. Ours must rank DP-MixMin first, at a ratio within a band
+    # around the paper's 1.8-2.4 (our weaker Random Init makes every gain larger).
+    results = stored("per_task")
+    gain = results["macro"]["gain"]
+    assert gain["dp_mixmin"] > max(gain["uniform"], gain["random_search"]) > 0
+    assert 1.2 <= results["macro"]["gain_ratio"]["uniform"] <= 3.5
+    assert results["macro"]["vs_uniform"]["absolute"] > 0
+    auc = [{m: t["methods"][m]["auc"]["mean"] for m in t["methods"]} for t in results["tasks"]]
+    wins = sum(task["dp_mixmin"] > task["uniform"] for task in auc)
+    assert wins >= 0.75 * len(auc)
+    # The rare-label task: DP-MixMin's λ is closer to non-private MixMin's than uniform weights.
+    cosine = results["rare_task"]["cosine_to_nonprivate"]
+    assert cosine["dp_mixmin"]["mean"] > cosine["uniform"]["mean"]
+
+
+def test_small_epsilon_weights_stay_closer_to_mixmin_than_uniform_weights():
+    # The paper (Tables 11, 14, 15): at ε = 0.2 DP-MixMin's λ has a higher cosine to non-private
+    # MixMin's λ than uniform weights on average (single runs can fall below), and at ε = 1 it
+    # is far above.
+    for name, part in stored("small_eps")["defaults"].items():
+        by_epsilon = {row["epsilon"]: row for row in part["summary"]}
+        for eps in (0.2, 1.0):
+            row = by_epsilon[eps]
+            assert row["cosine_mean"] > row["uniform_mean"], (name, eps)
+            assert row["max_spent_epsilon"] <= eps * (1 + 1e-9), (name, eps)
+        assert by_epsilon[1.0]["below_uniform"] == 0, name
+
+
+AUDIT_PRIVATE_BOUNDS = (
+    "many_runs",
+    "one_run_steinke",
+    "one_run_fdp",
+    "natural",
+    "max_clip",
+    "gradient",
+    "input",
+    "mix",
+    "ft",
+    "epsilon_lb",
+)
+
+
+def _audit_records(results: dict):
+    yield from results["mixmin"]
+    yield from results["dpsgd"]
+    for value in results["releases"].values():
+        yield from value if isinstance(value, list) else [value]
+
+
+def test_every_audit_bound_is_below_its_claim_and_every_control_above():
+    results = stored("audit")
+    assert results["violations"] == 0
+    checked = controls = 0
+    for record in _audit_records(results):
+        claim = record["claimed_epsilon"]
+        for key, value in record.items():
+            if key in AUDIT_PRIVATE_BOUNDS and value is not None:
+                assert value <= claim, (record.get("release"), key, value, claim)
+                checked += 1
+            elif key.startswith("no_noise_") and isinstance(value, float):
+                assert value > claim, (record.get("release"), key, value, claim)
+                controls += 1
+    assert checked >= 20 and controls >= 20
+
+
+def test_the_white_box_audit_certifies_at_least_half_of_the_claimed_epsilon():
+    tightness = stored("audit")["releases"]["tightness"]
+    assert {row["release"] for row in tightness} == {"DP-SGD", "DP-MixMin λ"}
+    for row in tightness:
+        assert 0.5 <= row["epsilon_lb"] / row["claimed_epsilon"] <= 1.0, row
+
+
 # ------------------------------------------------------------------------------------------
 # Hot PATE: diversity transfer of coordinated sampling (fresh runs)
 # ------------------------------------------------------------------------------------------
