@@ -299,3 +299,14 @@ def test_a_method_far_from_the_others_is_drawn_on_an_axis_of_its_own(monkeypatch
     assert "Random Init" not in [c.get_label() for c in main.containers]
     assert main.get_ylim()[1] < 1.0  # the others keep a readable scale
     assert compare._off_scale({"a": 0.9, "b": 0.8, "c": 0.66, "d": 0.8}) == []
+
+
+def test_a_table_stored_in_the_results_json_is_rebuilt_with_its_provenance(tmp_path):
+    results_dir = tmp_path / "docs" / "results"
+    results_dir.mkdir(parents=True)
+    stored = {"table": "| a |\n|---|\n| 0.5 |\n", "command": "python -m experiments.toy"}
+    (results_dir / "toy.json").write_text(json.dumps(stored))
+    page = _markdown(tmp_path, "table")
+    report.update_markdown(page, results_dir)
+    assert "| a |\n|---|\n| 0.5 |\n\nMeasured with `python -m experiments.toy`." in page.read_text()
+    assert report.check_markdown(page, results_dir) == []

@@ -201,6 +201,15 @@ def _ablation_composition(results: dict[str, Any], source: str) -> str:
     return "\n".join(lines) + "\n\n" + _ablation_footer(results, source)
 
 
+def _stored_table(results: dict[str, Any], source: str) -> str:
+    """The markdown table an experiment stored in its JSON (`"table"`), then where it comes from."""
+    origin = run_provenance(results)
+    return (
+        f"{results['table'].strip()}\n\n{compare.provenance_line({'provenance': origin})}"
+        f" Rebuilt by `dpmix report` from `{source}`.\n"
+    )
+
+
 VIEWS = {
     "utility": _utility,
     "budget": _budget,
@@ -209,6 +218,7 @@ VIEWS = {
     "ablation_proxy": _ablation_proxy,
     "ablation_composition": _ablation_composition,
     "markdown": _stored_markdown,
+    "table": _stored_table,
 }
 MARKDOWN_KEY = "__markdown__"
 
