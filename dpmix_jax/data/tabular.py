@@ -188,7 +188,7 @@ def one_hot(categorical: np.ndarray) -> np.ndarray:
         if not hot.any(axis=1).all():
             row = int(np.flatnonzero(~hot.any(axis=1))[0])
             raise ValueError(
-                f"column {column!r} row {row} has code {values[row]!r}, not one of "
+                f"column {column!r} row {row} has code {values[row]:g}, not one of "
                 f"{OCCUPATION_CODES}."
             )
         blocks.append(hot.astype(np.float32))
@@ -207,7 +207,7 @@ def age_band(age: np.ndarray) -> np.ndarray:
         band[np.isin(age, ages)] = index
     if (band < 0).any():
         row = int(np.flatnonzero(band < 0)[0])
-        raise ValueError(f"column 'age' row {row} has age {age[row]!r}, in no source band.")
+        raise ValueError(f"column 'age' row {row} has age {age[row]:g}, in no source band.")
     return band
 
 
