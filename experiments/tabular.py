@@ -1,6 +1,9 @@
 """Tabular DP-MixMin under covariate shift: DP-MixMin, Uniform, Random Init and the
 density-ratio variant on the statsmodels `fair` table, over ε and a covariate-shift knob.
 
+Non-private MixMin (λ not private, only its fine-tuning is DP) runs beside them as a reference:
+whether the mixture matters at all when λ costs no budget.
+
 The public sources are age bands of a public pool of the table; the sensitive rows are a draw
 from the rest with a fixed age mix and a tilt towards low marriage ratings of strength `shift`
 (`data.tabular`). At shift 0 the sensitive covariates are a mixture of the sources' (MixMin's
@@ -28,7 +31,7 @@ import numpy as np
 from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.tabular import TILT_COLUMN, load_fair_task
 from dpmix_jax.pipeline.common import use_compilation_cache
-from dpmix_jax.pipeline.compare import provenance
+from dpmix_jax.pipeline.compare import REFERENCE_NOTES, provenance
 from dpmix_jax.pipeline.tabular import RATIO_METHOD, TabularPipeline
 from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.configs.tabular import TabularStudyConfig, get_config
@@ -135,11 +138,12 @@ def table_rows(runs: list[dict], config: TabularStudyConfig) -> list[dict]:
 
 def differences(runs: list[dict], config: TabularStudyConfig) -> list[dict]:
     """Per shift and ε, paired by seed (mean ± std): DP-MixMin - Uniform, DP-MixMin - Random
-    Init, and the variant - DP-MixMin (where both methods ran)."""
+    Init, the variant - DP-MixMin, and non-private MixMin - Uniform (where both methods ran)."""
     pairs = (
         ("dp_mixmin", "uniform"),
         ("dp_mixmin", "random_init"),
         (RATIO_METHOD, "dp_mixmin"),
+        ("nonprivate_mixmin", "uniform"),
     )
     rows = []
     for shift in config.shifts:
@@ -174,7 +178,7 @@ def markdown(results: dict) -> str:
         weights = row["mean_weights"]
         shown = "" if weights is None else "(" + ", ".join(f"{w:.2f}" for w in weights) + ")"
         lines.append(
-            f"| {row['shift']:g} | {row['epsilon']:g} | {row['method']} | "
+            f"| {row['shift']:g} | {row['epsilon']:g} | {method_label(row['method'])} | "
             f"{row['auc'][0]:.4f} ± {row['auc'][1]:.4f} | {row['spent_epsilon']:.3f} | {shown} |"
         )
     columns = [key for key in results["differences"][0] if key not in ("shift", "epsilon")]
@@ -206,6 +210,12 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def method_label(method: str) -> str:
+    """The method's name, with why it is only a reference point where it is one."""
+    note = REFERENCE_NOTES.get(method)
+    return f"{method} ({note})" if note else method
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
     """Test AUC against ε, one panel per shift, one line per method (± std over seeds)."""
     import matplotlib
@@ -225,7 +235,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
                 yerr=[r["auc"][1] for r in rows],
                 marker="o",
                 capsize=3,
-                label=method,
+                linestyle="--" if method in REFERENCE_NOTES else "-",
+                label=method_label(method),
             )
         axis.set_xscale("log")
         axis.set_title(f"shift {shift:g}")

@@ -4,6 +4,9 @@ on the statsmodels `fair` table, over ε and a covariate-shift knob.
 Command:
     python -m experiments.tabular --reproducible --out runs/tabular
 
+Methods: DP-MixMin, Uniform, Random Init, the density-ratio variant (`dp_mixmin_ratio`) and, as
+a labelled non-private reference, non-private MixMin.
+
 The table (`data.tabular`): 6,366 rows of the `fair` survey; a public pool of 35% of the rows
 split into k = 4 age-band sources; 1,500 sensitive rows drawn from the rest with the age mix
 π* = (0.1, 0.15, 0.25, 0.5) and a tilt exp(-shift · z(marriage rating)) within every band
@@ -30,7 +33,7 @@ from dpmix_jax.pipeline.common import MixtureConfig
 from dpmix_jax.pipeline.tabular import RATIO_METHOD, DensityRatioConfig, TabularPipelineConfig
 from dpmix_jax.train import TrainConfig
 
-METHODS = ("dp_mixmin", "uniform", "random_init", RATIO_METHOD)
+METHODS = ("dp_mixmin", "uniform", "random_init", RATIO_METHOD, "nonprivate_mixmin")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
