@@ -225,7 +225,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
 
     shifts = results["config"]["shifts"]
     methods = results["config"]["methods"]
-    figure, axes = plt.subplots(1, len(shifts), figsize=(4 * len(shifts), 3.2), sharey=True)
+    epsilons = results["config"]["epsilons"]
+    figure, axes = plt.subplots(1, len(shifts), figsize=(4 * len(shifts), 3.6), sharey=True)
     for axis, shift in zip(np.atleast_1d(axes), shifts, strict=True):
         for method in methods:
             rows = [r for r in results["table"] if r["shift"] == shift and r["method"] == method]
@@ -239,11 +240,14 @@ def plot(results: dict, path: pathlib.Path) -> None:
                 label=method_label(method),
             )
         axis.set_xscale("log")
+        axis.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
+        axis.minorticks_off()
         axis.set_title(f"shift {shift:g}")
         axis.set_xlabel("ε (end to end)")
     np.atleast_1d(axes)[0].set_ylabel("test AUC")
-    np.atleast_1d(axes)[-1].legend(fontsize=7)
-    figure.tight_layout()
+    handles, labels = np.atleast_1d(axes)[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.16, 1, 1))
     figure.savefig(path, dpi=110)
     plt.close(figure)
 

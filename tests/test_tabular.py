@@ -125,7 +125,6 @@ def test_ratio_row_weights_sum_to_one_per_source():
     np.testing.assert_allclose(weights[:3], np.exp([0.0, 1.0, 3.0]) / np.exp([0, 1, 3]).sum())
 
 
-@pytest.mark.slow
 def test_density_ratio_accounting_matches_dp_accounting(tmp_path):
     task = data.load_fair_task(SMALL)
     config = tiny_pipeline()

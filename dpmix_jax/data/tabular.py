@@ -25,9 +25,10 @@ The task (`load_fair_task`):
   categories 1-6 (no category is learned from any data).
 
 Privacy: the sensitive rows enter no preprocessing statistic (the test
-`test_public_preprocessing_ignores_sensitive_rows` changes them and compares); the pool split,
-the draw and the split into train / validation / test use public seeds and only public
-quantities (the pool's band counts are the draw's design, not a released statistic).
+`test_public_preprocessing_ignores_sensitive_rows` changes them and compares). The pool split,
+the draw and the split into train / validation / test use public seeds; the draw, which reads
+the sensitive pool's age-band counts, is how the study makes its sensitive population, before
+any method sees the data, and no method reads those counts.
 """
 
 from __future__ import annotations
