@@ -227,8 +227,7 @@ def sensitive_draw_weights(
     counts = np.bincount(band, minlength=len(target_mixture)).astype(float)
     share = counts / counts.sum()
     target = np.asarray(target_mixture, dtype=float)
-    weights = np.where(share[band] > 0, target[band] / np.maximum(share[band], 1e-12), 0.0)
-    weights = weights * np.exp(-shift * (tilt - tilt.max()))
+    weights = target[band] / share[band] * np.exp(-shift * (tilt - tilt.max()))
     return weights / weights.sum()
 
 

@@ -29,8 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import os
-from collections.abc import Callable
 from typing import Any
 
 import dp_accounting
@@ -145,18 +143,14 @@ class TabularPipelineConfig:
             raise ValueError("random_search_candidates must be an integer >= 1.")
 
 
-def _rows_gather(source: Source, rows: np.ndarray, labels: np.ndarray | None = None):
-    """`gather(indices)` over `source`'s `rows` as model batches (-1 stays padding); `labels`
-    replaces the source's labels (the domain classifier's)."""
+def _rows_gather(source: Source, rows: np.ndarray):
+    """`gather(indices)` over `source`'s `rows` as model batches (-1 stays padding)."""
 
     def gather(indices: np.ndarray) -> dict[str, np.ndarray]:
         indices = np.asarray(indices)
         picked = np.where(indices >= 0, rows[np.maximum(indices, 0)], -1)
         example = source.gather(picked)
-        batch = {"inputs": example["features"], "labels": example["labels"]}
-        if labels is not None:
-            batch["labels"] = np.where(indices[:, None] >= 0, labels[np.maximum(indices, 0)], 0)
-        return batch
+        return {"inputs": example["features"], "labels": example["labels"]}
 
     return gather
 
@@ -185,7 +179,9 @@ def composed_event(
     )
 
 
-def ratio_row_weights(logits: np.ndarray, source_ids: np.ndarray, max_log_ratio: float):
+def ratio_row_weights(
+    logits: np.ndarray, source_ids: np.ndarray, max_log_ratio: float
+) -> np.ndarray:
     """Per public row, its probability within its source: exp(clipped logit), normalised per
     source (the classifier's odds estimate the density ratio up to a constant).
 
@@ -201,17 +197,8 @@ class TabularPipeline(common.MixturePipeline):
     stored under `root` (see `common.MixturePipeline` for the arguments)."""
 
     higher_is_better = True
-
-    def __init__(
-        self,
-        task: TabularTask,
-        config: TabularPipelineConfig,
-        root: str | os.PathLike,
-        *,
-        on_stage: Callable[[str], None] | None = None,
-        reproducible: bool = False,
-    ):
-        super().__init__(task, config, root, on_stage=on_stage, reproducible=reproducible)
+    task: TabularTask
+    config: TabularPipelineConfig
 
     @property
     def k(self) -> int:
