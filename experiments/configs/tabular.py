@@ -18,7 +18,7 @@ variant's domain classifier is a logistic regression, 100 DP-SGD steps at b = 25
 size (fixed before the study ran; none was tuned on its results).
 
 Measured (`docs/tabular.md` has the tables, rebuilt from `docs/results/tabular.json`): 135 runs
-in 6 min 27 s wall and 1.18 GB peak resident memory under `/usr/bin/time -v` on the shared
+in 7 min 19 s wall and 1.08 GB peak resident memory under `/usr/bin/time -v` on the shared
 2-core machine. Pretraining on the public sources beats Random Init by +0.06 to +0.13 AUC;
 DP-MixMin is level with Uniform (paired differences -0.023 to +0.005 at every shift and ε) and
 non-private MixMin is below it (-0.006 to -0.017); the density-ratio variant is below DP-MixMin
