@@ -41,6 +41,7 @@ EXPERIMENTS = {
     "patient_level": "image vs patient privacy unit at equal ε (user-level DP over patients)",
     "small_eps": "λ's cosine to non-private MixMin at ε = 0.2 and 1, and a mixture-settings sweep",
     "rho_guide": "sufficient mixture size from the error bound vs measured excess loss over n",
+    "tabular": "tabular DP-MixMin on a bundled table under covariate shift, density-ratio variant",
     "gsd": "gradient subspace distance source selection vs DP-MixMin on shared inputs",
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
     "correlated_noise": "BandMF vs DP-SGD at equal ε: image and text fine-tuning, DP-MixMin",
