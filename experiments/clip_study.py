@@ -35,7 +35,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.k_scaling import mixture_problem  # noqa: E402
-from experiments.plot_labels import SHIFT_NAMES  # noqa: E402
+from experiments.plot_labels import SHIFT_NAMES, counted  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -176,7 +176,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     Draws from `results` alone (`clip_study.json` read back will do).
     """
     config = results["config"]
-    seeds = len(config["seeds"])
+    seeds = counted(len(config["seeds"]), "seed")
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for curve in results["curves"]:
         ax.errorbar(
@@ -192,17 +192,19 @@ def plot(results: dict, path: pathlib.Path) -> None:
         results["uniform_excess"],
         color="gray",
         linestyle=":",
-        label=f"uniform weights (mean over {seeds} seeds)",
+        label=f"uniform weights (mean over {seeds})",
     )
     ax.set(
         xscale="log",
         yscale="log",
         xlabel="clip norm C",
-        ylabel=f"excess MixMin loss (mean ± std over {seeds} seeds)",
+        ylabel=f"excess MixMin loss (mean ± std over {seeds})",
     )
+    ax.minorticks_off()
+    ax.set_xticks(config["clip_norms"], [f"{c:g}" for c in config["clip_norms"]])
     ax.set_title(
         f"k = {config['num_sources']}, n = {config['num_examples']:,}: error bars ± std over"
-        f" {seeds} data seeds",
+        f" {seeds} (data and noise drawn per seed)",
         fontsize=9,
     )
     ax.legend(fontsize=7)

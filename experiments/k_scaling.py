@@ -47,7 +47,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.configs import k_scaling as configs  # noqa: E402
-from experiments.plot_labels import display_name  # noqa: E402
+from experiments.plot_labels import counted, display_name  # noqa: E402
 
 PAPER_SLOPE = 0.49
 NUM_DIGITS = 10
@@ -715,7 +715,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     ks = np.array(results["ks"])
     min_k = config["slope_min_k"]
     first = int(np.argmax(ks >= min_k))
-    runs = sum(row["k"] == ks[0] for row in results["rows"])
+    runs = counted(sum(row["k"] == ks[0] for row in results["rows"]), "run")
     solvers = config["solvers"]
     fig, axes = plt.subplots(1, len(solvers), figsize=(5.5 * len(solvers), 4.5))
     for ax, solver in zip(np.atleast_1d(axes), solvers, strict=True):
@@ -749,11 +749,13 @@ def plot(results: dict, path: pathlib.Path) -> None:
             xscale="log",
             yscale="log",
             xlabel="number of sources k",
-            ylabel=f"excess loss (mean ± std over {runs} runs)",
+            ylabel=f"excess loss (mean ± std over {runs})",
         )
+        ax.minorticks_off()
+        ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_title(
             f"{display_name(solver)}, {results['proxies']} proxies, ε = {config['epsilon']:g};"
-            f"\nerror bars: ± std over {runs} runs (seeds × tasks); slopes fitted over"
+            f"\nerror bars: ± std over {runs} (seeds × tasks); slopes fitted over"
             f" k ≥ {min_k}",
             fontsize=9,
         )

@@ -12,3 +12,8 @@ def display_name(name: str) -> str:
     """The readable name of a method or solver id ("dp_mixmin" -> "DP-MixMin", "frank_wolfe" ->
     "Frank-Wolfe"); any other id with its underscores as spaces."""
     return {**METHOD_NAMES, **SOLVER_NAMES}.get(name, name.replace("_", " "))
+
+
+def counted(number: int, noun: str) -> str:
+    """ "1 seed", "3 seeds": a count with its noun in the right number."""
+    return f"{number} {noun}" + ("" if number == 1 else "s")

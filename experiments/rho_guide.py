@@ -34,6 +34,7 @@ from experiments.common_args import (
 )
 from experiments.configs import rho_guide as configs  # noqa: E402
 from experiments.k_scaling import gradient_norms, loglog_slope, mixture_problem  # noqa: E402
+from experiments.plot_labels import counted  # noqa: E402
 
 # The paper's operating points (appendix A.2, ρ = 0.1, ε = 1): (setting, k, α, units, what a
 # unit is, the mixture stage's clip norm).
@@ -277,7 +278,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     Draws from `results` alone (`rho_guide.json` read back will do).
     """
     config = results["config"]
-    seeds = len(config["seeds"])
+    seeds = counted(len(config["seeds"]), "seed")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     sizes = np.array(config["sizes"])
     dense = np.geomspace(sizes.min(), sizes.max(), 100)
@@ -291,7 +292,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
             marker="o",
             capsize=3,
             color=color,
-            label=f"DP-MixMin, ε = {epsilon:g} (mean ± std over {seeds} seeds)",
+            label=f"DP-MixMin, ε = {epsilon:g} (mean ± std over {seeds})",
         )
         bound = [
             mixing.excess_loss_bound(
@@ -315,7 +316,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
         sizes,
         results["summary"][0]["nonprivate_mean"],
         "k^-",
-        label=f"non-private MixMin (mean over {seeds} seeds)",
+        label=f"non-private MixMin (mean over {seeds})",
     )
     ax.axhline(config["alpha"], color="grey", lw=0.8, label=f"α = {config['alpha']:g}")
     ax.set(
@@ -323,8 +324,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
         yscale="log",
         xlabel="mixture-split size n",
         ylabel="population excess loss",
-        title=f"k = {config['num_sources']}: measured excess (error bars: ± std over {seeds}"
-        " seeds) vs bound",
+        title=f"k = {config['num_sources']}: measured excess (error bars: ± std over {seeds})"
+        " vs bound",
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
