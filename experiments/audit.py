@@ -432,43 +432,93 @@ def summary_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summary_plot(rows: list[dict], tightness_rows: list[dict], path: pathlib.Path) -> None:
-    """ε_LB against claimed ε per release and method; hollow markers: no-noise controls."""
+def summary_plot(results: dict, path: pathlib.Path) -> None:
+    """Left: ε_LB of every audit of every release beside its claimed ε; right: the white-box
+    tightness ε_LB against claimed ε with the line ε_LB = claimed ε.
+
+    Draws from `results` alone (the `main` dict or its `results.json` read back).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    markers = {"many_runs": "o", "one_run_steinke": "s", "one_run_fdp": "^"}
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colors = plt.cm.tab10(np.linspace(0, 1, 10))
-    for color, row in zip(colors, rows, strict=False):
-        jitter = 0.06 * rows.index(row)
-        for key, marker in markers.items():
-            for prefix, face in (("", color), ("no_noise_", "none")):
+    rows, tightness_rows = results["summary"], results["releases"]["tightness"]
+    methods = {
+        "many_runs": ("o", "many runs"),
+        "one_run_steinke": ("s", "one run (Steinke)"),
+        "one_run_fdp": ("^", "one run (f-DP)"),
+    }
+    offsets = dict(zip(methods, (-0.25, 0.0, 0.25), strict=True))
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [max(3, len(rows)), 4]}
+    )
+    drawn = [1.0]
+    for i, row in enumerate(rows):
+        left.hlines(row["claimed_epsilon"], i - 0.4, i + 0.4, colors="k", linestyles="--", lw=1)
+        for key, (marker, _) in methods.items():
+            for prefix, face in (("", "C0"), ("no_noise_", "none")):
                 value = row.get(prefix + key)
                 if value is not None:
-                    ax.scatter(
-                        row["claimed_epsilon"] + jitter,
+                    drawn.append(value)
+                    left.scatter(
+                        i + offsets[key],
                         value,
                         marker=marker,
                         s=40,
                         facecolors=face,
-                        edgecolors=color,
-                        label=row["release"] if (key, prefix) == ("many_runs", "") else None,
+                        edgecolors="C0",
                     )
-    for row in tightness_rows:
-        ax.scatter(row["claimed_epsilon"], row["epsilon_lb"], marker="*", s=90, c="k")
-    top = max(4.5, max(r["claimed_epsilon"] for r in tightness_rows) + 0.5)
-    ax.plot([0, top], [0, top], "k--", lw=1)
-    ax.set_xlabel("claimed ε (accountant)")
-    ax.set_ylabel("ε lower bound")
-    ax.set_title(
-        "o many runs, □ one run (Steinke), △ one run (f-DP), ★ white-box tightness; "
-        "hollow: no-noise control",
-        fontsize=8,
+    left.set_xticks(range(len(rows)), [row["release"] for row in rows], rotation=25, ha="right")
+    left.set_xlim(-0.6, len(rows) - 0.4)
+    left.set_ylabel("ε lower bound (95% confidence)")
+    left.set_title(
+        "canary audits per release; within a release the audit methods are placed side by side",
+        fontsize=9,
     )
-    ax.legend(fontsize=7, loc="upper left")
+    keys = [
+        *(
+            Line2D([], [], marker=m, ls="", color="C0", label=f"{name}, calibrated noise")
+            for m, name in methods.values()
+        ),
+        Line2D([], [], marker="o", ls="", mfc="none", color="C0", label="hollow: no-noise control"),
+        Line2D([], [], ls="--", color="k", label="claimed ε (accountant)"),
+    ]
+    left.set_ylim(top=1.4 * max(drawn))  # room for the legend above the points
+    left.legend(handles=keys, fontsize=7, loc="upper left", ncol=2)
+
+    mechanisms = list(dict.fromkeys(row["release"] for row in tightness_rows))
+    styles = zip(("C1", "C2", "C3", "C4"), ("*", "D", "P", "X"), strict=True)
+    for (color, marker), mechanism in zip(styles, mechanisms, strict=False):
+        mine = [row for row in tightness_rows if row["release"] == mechanism]
+        claimed = [row["claimed_epsilon"] for row in mine]
+        right.scatter(
+            claimed,
+            [row["epsilon_lb"] for row in mine],
+            marker=marker,
+            s=100,
+            color=color,
+            label=f"{mechanism}: white-box tightness",
+        )
+        right.scatter(
+            claimed,
+            [row["no_noise_epsilon_lb"] for row in mine],
+            marker=marker,
+            s=100,
+            facecolors="none",
+            edgecolors=color,
+            label=f"{mechanism}: no-noise control",
+        )
+    top = max(row["claimed_epsilon"] for row in tightness_rows) * 1.15
+    right.plot([0, top], [0, top], "k--", lw=1, label="y = x: claimed ε = ε_LB")
+    right.set_xlim(0, top)
+    right.set_xlabel("claimed ε (accountant)")
+    right.set_ylabel("ε lower bound (95% confidence)")
+    right.set_title("white-box audit of the full transcript (worst-case canary)", fontsize=9)
+    highest = max(max(row["epsilon_lb"], row["no_noise_epsilon_lb"]) for row in tightness_rows)
+    right.set_ylim(top=1.45 * max(highest, top))
+    right.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -541,7 +591,7 @@ def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
     (out / "results.json").write_text(
         json.dumps({"config": dataclasses.asdict(config), **result}, indent=2, default=float)
     )
-    summary_plot(summary, releases["tightness"], out / "results.png")
+    summary_plot(result, out / "results.png")
     return result
 
 

@@ -5,7 +5,8 @@ On the synthetic exact-mixture problem of `experiments.k_scaling` (k = 8, n = 20
 without noise (σ = 0: pure clipping bias) and once at ε = 1, δ = 1e-5. The step size is η0 / C,
 so that a step moves the logits by at most about η0 whatever C is. Reported: the excess MixMin
 loss over non-private MixMin (mean over seeds), that of uniform weights, and the fraction of
-examples clipped at the non-private optimum. Writes `clip_study.md` and `clip_study.png`.
+examples clipped at the non-private optimum. Writes `clip_study.md`, `clip_study.json` and
+`clip_study.png`.
 
     python -m experiments.clip_study --out DIR
 """
@@ -13,6 +14,7 @@ examples clipped at the non-private optimum. Writes `clip_study.md` and `clip_st
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import matplotlib
@@ -33,6 +35,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.k_scaling import mixture_problem  # noqa: E402
+from experiments.plot_labels import SHIFT_NAMES, counted  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +75,7 @@ def clipped_fraction(preds: np.ndarray, weights: np.ndarray, shift: str, clip_no
 def main(
     config: ClipStudyConfig, out: pathlib.Path | None = None, *, reproducible: bool = False
 ) -> dict:
-    """Runs the study; returns the mean excess per (noise, shift, C) and writes the table/plot.
+    """Runs the study; returns (and, with `out`, writes) the excess per (noise, shift, C).
 
     The seeds make the data; the DP runs' noise and sampling are secret unless `reproducible`
     (one stream per data seed, shared by every setting so that they are compared paired).
@@ -125,16 +128,28 @@ def main(
     table = markdown(config, means, clipped_means, float(np.mean(uniform)), sigma)
     table += "\n" + (SEEDED_NOTE if reproducible else "DP noise and sampling secret.")
     print(table)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "clip_study.md").write_text(table + "\n")
-        plot(out / "clip_study.png", config, means, float(np.mean(uniform)))
-    return {
-        "excess": {f"{n}/{s}": m.tolist() for (n, s), m in means.items()},
+    results = {
+        "config": dataclasses.asdict(config),
+        "curves": [
+            {
+                "setting": noise,
+                "noise_multiplier": settings[noise],
+                "shift": shift,
+                "mean": np.mean(values, axis=0).tolist(),
+                "std": np.std(values, axis=0).tolist(),
+            }
+            for (noise, shift), values in excess.items()
+        ],
         "uniform_excess": float(np.mean(uniform)),
         "noise_multiplier": sigma,
         "noise_seeded": reproducible,
     }
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "clip_study.md").write_text(table + "\n")
+        (out / "clip_study.json").write_text(json.dumps(results, indent=2))
+        plot(results, out / "clip_study.png")
+    return results
 
 
 def markdown(config, means, clipped_means, uniform: float, sigma: float) -> str:
@@ -155,18 +170,43 @@ def markdown(config, means, clipped_means, uniform: float, sigma: float) -> str:
     return "\n".join(lines)
 
 
-def plot(path: pathlib.Path, config, means, uniform: float) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for (noise, shift), row in means.items():
-        ax.plot(
-            config.clip_norms,
-            row,
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Excess loss against C per setting and shift (mean ± std over seeds), beside uniform weights.
+
+    Draws from `results` alone (`clip_study.json` read back will do).
+    """
+    config = results["config"]
+    seeds = counted(len(config["seeds"]), "seed")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for curve in results["curves"]:
+        ax.errorbar(
+            config["clip_norms"],
+            curve["mean"],
+            yerr=curve["std"],
             marker="o",
-            linestyle="-" if "σ" in noise else "--",
-            label=f"{noise}, shift={shift}",
+            capsize=2,
+            linestyle="-" if curve["noise_multiplier"] == 0 else "--",
+            label=f"{curve['setting']}, {SHIFT_NAMES[curve['shift']]}",
         )
-    ax.axhline(uniform, color="gray", linestyle=":", label="uniform weights")
-    ax.set(xscale="log", yscale="log", xlabel="clip norm C", ylabel="excess MixMin loss")
+    ax.axhline(
+        results["uniform_excess"],
+        color="gray",
+        linestyle=":",
+        label=f"uniform weights (mean over {seeds})",
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="clip norm C",
+        ylabel=f"excess MixMin loss (mean ± std over {seeds})",
+    )
+    ax.minorticks_off()
+    ax.set_xticks(config["clip_norms"], [f"{c:g}" for c in config["clip_norms"]])
+    ax.set_title(
+        f"k = {config['num_sources']}, n = {config['num_examples']:,}: error bars ± std over"
+        f" {seeds} (data and noise drawn per seed)",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -180,7 +220,7 @@ def cli() -> None:
         type=pathlib.Path,
         default=pathlib.Path("runs/clip_study"),
         metavar="DIR",
-        help="output folder: clip_study.md, clip_study.png",
+        help="output folder: clip_study.md, clip_study.json, clip_study.png",
     )
     add_reproducible_flag(parser, seeds="--seeds")
     add_seeds_option(parser)

@@ -47,6 +47,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.configs import k_scaling as configs  # noqa: E402
+from experiments.plot_labels import counted, display_name  # noqa: E402
 
 PAPER_SLOPE = 0.49
 NUM_DIGITS = 10
@@ -701,29 +702,66 @@ def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> N
     out.mkdir(parents=True, exist_ok=True)
     (out / "k_scaling.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "k_scaling.md").write_text(markdown(config, results) + "\n")
-    fig, axes = plt.subplots(1, len(config.solvers), figsize=(5 * len(config.solvers), 4))
-    for ax, solver in zip(np.atleast_1d(axes), config.solvers, strict=True):
+    plot(results, out / "k_scaling.png")
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Excess loss against k per solver (mean ± std over seeds × tasks), with its fitted slope
+    and a line of the paper's slope through the first point of the fit.
+
+    Draws from `results` alone (`k_scaling.json` read back will do).
+    """
+    config = results["config"]
+    ks = np.array(results["ks"])
+    min_k = config["slope_min_k"]
+    first = int(np.argmax(ks >= min_k))
+    runs = counted(sum(row["k"] == ks[0] for row in results["rows"]), "run")
+    solvers = config["solvers"]
+    fig, axes = plt.subplots(1, len(solvers), figsize=(5.5 * len(solvers), 4.5))
+    for ax, solver in zip(np.atleast_1d(axes), solvers, strict=True):
+        part_slopes = results["part_slopes"][solver]
         curves = {
-            f"total (slope {results['slopes'][solver]:.2f})": results["excess"][solver],
-            "bias, σ = 0": results["parts"][solver]["bias"],
-            "noise part": results["parts"][solver]["noise"],
+            f"total (fitted slope {results['slopes'][solver]:.2f})": results["excess"][solver],
+            f"bias, σ = 0 (fitted slope {part_slopes['bias']:.2f})": results["parts"][solver][
+                "bias"
+            ],
+            f"noise part (fitted slope {part_slopes['noise']:.2f})": results["parts"][solver][
+                "noise"
+            ],
             "uniform weights": results["excess"]["uniform"],
         }
         for label, stats in curves.items():
             mean = np.array(stats["mean"])
             keep = mean > 0  # a noise part <= 0 cannot be drawn on a log axis
             ax.errorbar(
-                np.array(results["ks"])[keep],
-                mean[keep],
-                yerr=np.array(stats["std"])[keep],
-                marker="o",
-                label=label,
+                ks[keep], mean[keep], yerr=np.array(stats["std"])[keep], marker="o", label=label
             )
-        ax.set(xscale="log", yscale="log", xlabel="number of sources k", ylabel="excess loss")
-        ax.set_title(f"{solver}, {results['proxies']} proxies, ε = {config.epsilon}", fontsize=10)
-        ax.legend(fontsize=8)
+        anchor = results["excess"][solver]["mean"][first]
+        fitted = ks[first:]
+        ax.plot(
+            fitted,
+            anchor * (fitted / ks[first]) ** PAPER_SLOPE,
+            "k:",
+            label=f"slope {PAPER_SLOPE} (the paper's, mirror descent) through the total at"
+            f" k = {ks[first]}",
+        )
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="number of sources k",
+            ylabel=f"excess loss (mean ± std over {runs})",
+        )
+        ax.minorticks_off()
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_title(
+            f"{display_name(solver)}, {results['proxies']} proxies, ε = {config['epsilon']:g};"
+            f"\nerror bars: ± std over {runs} (seeds × tasks); slopes fitted over"
+            f" k ≥ {min_k}",
+            fontsize=9,
+        )
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "k_scaling.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

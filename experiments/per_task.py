@@ -19,7 +19,12 @@ from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.mixing import cosine_similarity
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
-from dpmix_jax.pipeline.compare import provenance, provenance_line, randomness_line
+from dpmix_jax.pipeline.compare import (
+    METHOD_NAMES,
+    provenance,
+    provenance_line,
+    randomness_line,
+)
 from dpmix_jax.privacy.accounting import format_epsilon
 from experiments.common_args import (
     add_chest_xray_roots,
@@ -36,12 +41,7 @@ from experiments.configs.per_task import PerTaskConfig, get_config
 METHODS = ("dp_mixmin", "uniform", "random_search", "random_init")
 BASELINE = "random_init"
 GAINED = ("dp_mixmin", "uniform", "random_search")
-LABELS = {
-    "dp_mixmin": "DP-MixMin",
-    "uniform": "Uniform",
-    "random_search": "Random Search",
-    "random_init": "Random Init",
-}
+LABELS = {method: METHOD_NAMES[method] for method in METHODS}
 
 # The paper's numbers at ε = 1 (NIH ChestX-ray14, 14 findings): Figure 3's macro relative gains
 # over Random Init, Tables 7 and 8's macro AUC, Table 10's groups against Uniform (CheXpert) and
@@ -404,6 +404,7 @@ def plot(report: Mapping[str, Any], path: pathlib.Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     rows = sorted(report["tasks"], key=lambda r: -r["prevalence"])
     colors = {"dp_mixmin": "tab:blue", "uniform": "tab:orange", "random_search": "tab:green"}
@@ -432,30 +433,46 @@ def plot(report: Mapping[str, Any], path: pathlib.Path) -> None:
     left.set_ylabel("relative AUC gain over Random Init (%)")
     left.axhline(0, color="black", linewidth=0.6)
     left.set_title(
-        f"per task, ε = {report['epsilon']:g}, mean ± std over {len(report['seeds'])} seeds",
+        f"per task, ε = {report['epsilon']:g}: mean ± std over {len(report['seeds'])} seeds",
         fontsize=10,
     )
     left.legend(fontsize=8)
+    groups = {"macro": rows, **{g: [r for r in rows if r["group"] == g] for g in ("A", "B")}}
     columns = [
-        ("ours\nmacro", report["macro"]["gain"]),
-        ("ours\ngroup A", report["groups"]["A"]["gain"]),
-        ("ours\ngroup B", report["groups"]["B"]["gain"]),
-        ("paper\nCheXpert", PAPER["gain_over_random_init"]["chexpert"]),
-        ("paper\nMIMIC", PAPER["gain_over_random_init"]["mimic"]),
+        ("ours\nmacro", report["macro"]["gain"], groups["macro"]),
+        ("ours\ngroup A", report["groups"]["A"]["gain"], groups["A"]),
+        ("ours\ngroup B", report["groups"]["B"]["gain"], groups["B"]),
+        ("paper\nCheXpert", PAPER["gain_over_random_init"]["chexpert"], None),
+        ("paper\nMIMIC", PAPER["gain_over_random_init"]["mimic"], None),
     ]
     x = np.arange(len(columns))
     for j, method in enumerate(GAINED):
+        spread = [
+            np.nan
+            if tasks is None
+            else 100 * float(np.std([t["methods"][method]["gain"]["mean"] for t in tasks]))
+            for _, _, tasks in columns
+        ]
         right.bar(
             x + j * width,
-            [100 * gains[method] for _, gains in columns],
+            [100 * gains[method] for _, gains, _ in columns],
             width,
+            yerr=spread,
+            capsize=2,
             color=colors[method],
             hatch=["", "", "", "//", "//"],
+            label=LABELS[method],
         )
-    right.set_xticks(x + width, [name for name, _ in columns], fontsize=8)
+    right.set_xticks(x + width, [name for name, _, _ in columns], fontsize=8)
     right.set_ylabel("relative AUC gain over Random Init (%)")
     right.axhline(0, color="black", linewidth=0.6)
-    right.set_title("mean over tasks; hatched: the paper's Figure 3 (NIH)", fontsize=10)
+    right.set_title(
+        "mean over tasks ± std over tasks (of each task's mean over seeds);\n"
+        "hatched: the paper's Figure 3 (NIH, no error bars)",
+        fontsize=9,
+    )
+    paper = Patch(facecolor="white", edgecolor="gray", hatch="//", label="the paper (NIH)")
+    right.legend(handles=[*right.get_legend_handles_labels()[0], paper], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

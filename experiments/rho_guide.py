@@ -34,6 +34,7 @@ from experiments.common_args import (
 )
 from experiments.configs import rho_guide as configs  # noqa: E402
 from experiments.k_scaling import gradient_norms, loglog_slope, mixture_problem  # noqa: E402
+from experiments.plot_labels import counted  # noqa: E402
 
 # The paper's operating points (appendix A.2, ρ = 0.1, ε = 1): (setting, k, α, units, what a
 # unit is, the mixture stage's clip norm).
@@ -268,8 +269,18 @@ def write(out: pathlib.Path, config: configs.RhoGuideConfig, results: dict) -> N
     out.mkdir(parents=True, exist_ok=True)
     (out / "rho_guide.json").write_text(json.dumps(results, indent=2))
     (out / "rho_guide.md").write_text(markdown(config, results) + "\n")
+    plot(results, out / "rho_guide.png")
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Measured excess loss (mean ± std over seeds) and the bound against n, per ε.
+
+    Draws from `results` alone (`rho_guide.json` read back will do).
+    """
+    config = results["config"]
+    seeds = counted(len(config["seeds"]), "seed")
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    sizes = np.array(config.sizes)
+    sizes = np.array(config["sizes"])
     dense = np.geomspace(sizes.min(), sizes.max(), 100)
     for i, item in enumerate(results["summary"]):
         color = f"C{i}"
@@ -279,33 +290,46 @@ def write(out: pathlib.Path, config: configs.RhoGuideConfig, results: dict) -> N
             item["dp_mean"],
             yerr=item["dp_std"],
             marker="o",
+            capsize=3,
             color=color,
-            label=f"DP-MixMin, ε = {epsilon:g}",
+            label=f"DP-MixMin, ε = {epsilon:g} (mean ± std over {seeds})",
         )
         bound = [
             mixing.excess_loss_bound(
                 n,
-                k=config.num_sources,
+                k=config["num_sources"],
                 epsilon=epsilon,
-                delta=config.delta,
+                delta=config["delta"],
                 clip_norm=results["clip_norm"],
             ).total
             for n in dense
         ]
         ax.plot(dense, bound, "--", color=color, label=f"bound (B = 1, C), ε = {epsilon:g}")
-        ax.axvline(item["sufficient_n"], color=color, lw=0.8, ls=":")
-    ax.plot(sizes, results["summary"][0]["nonprivate_mean"], "k^-", label="non-private MixMin")
-    ax.axhline(config.alpha, color="grey", lw=0.8, label=f"α = {config.alpha:g}")
+        ax.axvline(
+            item["sufficient_n"],
+            color=color,
+            lw=0.8,
+            ls=":",
+            label=f"sufficient n for α, ε = {epsilon:g}",
+        )
+    ax.plot(
+        sizes,
+        results["summary"][0]["nonprivate_mean"],
+        "k^-",
+        label=f"non-private MixMin (mean over {seeds})",
+    )
+    ax.axhline(config["alpha"], color="grey", lw=0.8, label=f"α = {config['alpha']:g}")
     ax.set(
         xscale="log",
         yscale="log",
         xlabel="mixture-split size n",
         ylabel="population excess loss",
-        title=f"k = {config.num_sources}: measured excess vs bound (dotted: sufficient n)",
+        title=f"k = {config['num_sources']}: measured excess (error bars: ± std over {seeds})"
+        " vs bound",
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "rho_guide.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 

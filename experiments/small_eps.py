@@ -276,8 +276,9 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: pathlib.Path) -> None:
-    """Cosine to non-private MixMin against ε: DP-MixMin (mean ± std) and the uniform reference,
-    one panel per default."""
+    """Cosine to non-private MixMin against ε: DP-MixMin (mean ± std over tasks × seeds) and the
+    uniform reference, one panel per default. Draws from `results` alone (`results.json` read
+    back will do)."""
     names = list(results["defaults"])
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
@@ -304,7 +305,11 @@ def plot(results: dict, path: pathlib.Path) -> None:
         ax.minorticks_off()
         ax.set_xticks(eps, [f"{e:g}" for e in eps])
         ax.set_ylim(min(0.0, ax.get_ylim()[0]), 1.02)
-        ax.set_title(f"{name} default")
+        runs = sorted({s["count"] for s in summary})
+        ax.set_title(
+            f"{name} default: mean ± std over {'/'.join(map(str, runs))} runs (tasks × seeds)",
+            fontsize=10,
+        )
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
