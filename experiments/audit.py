@@ -324,36 +324,6 @@ def report(config: AuditConfig, lambda_rows, dpsgd_rows, seconds: float) -> str:
     )
 
 
-def plot(lambda_rows, dpsgd_rows, path: pathlib.Path) -> None:
-    """Bars of ε_LB per configuration and canary, with the claimed ε marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [
-        ("DP-MixMin λ", lambda_rows, ("natural", "max_clip"), "task {task}, ε={claimed_epsilon}"),
-        ("DP-SGD", dpsgd_rows, ("gradient", "input"), "ε={claimed_epsilon}"),
-    ]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, (title, rows, names, label) in zip(axes, panels, strict=True):
-        keys = [*names, *(f"no_noise_{n}" for n in names)]
-        width = 0.8 / len(keys)
-        for j, key in enumerate(keys):
-            xs = np.arange(len(rows)) + j * width
-            ax.bar(xs, [r[key] for r in rows], width, label=key.replace("_", " "))
-        for i, r in enumerate(rows):
-            ax.hlines(r["accounted_epsilon"], i - width / 2, i + 0.8, colors="k", linestyles="--")
-        ax.set_xticks(np.arange(len(rows)) + 0.4 - width / 2)
-        ax.set_xticklabels([label.format(**r) for r in rows], fontsize=8)
-        ax.set_ylabel("ε lower bound (dashed: claimed ε)")
-        ax.set_title(title)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 SUMMARY_COLUMNS = (
     ("release", "release", "{}"),
     ("claimed ε", "claimed_epsilon", "{:.3f}"),

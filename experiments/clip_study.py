@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.mixing import objectives, solvers  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from experiments.common_args import (
     add_reproducible_flag,
@@ -143,6 +144,7 @@ def main(
         "uniform_excess": float(np.mean(uniform)),
         "noise_multiplier": sigma,
         "noise_seeded": reproducible,
+        "provenance": provenance(),
     }
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
