@@ -21,6 +21,7 @@ and `results.md` and `utility_vs_epsilon.png` to `--out`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import pathlib
@@ -28,12 +29,18 @@ import time
 
 import numpy as np
 
-from dpmix_jax.cli import add_reproducible_flag, experiment_main, experiment_parser
 from dpmix_jax.data.tabular import TILT_COLUMN, load_fair_task
 from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import REFERENCE_NOTES, provenance
 from dpmix_jax.pipeline.tabular import RATIO_METHOD, TabularPipeline
 from dpmix_jax.privacy import SEEDED_NOTE
+from experiments.common_args import (
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
 from experiments.configs.tabular import TabularStudyConfig, get_config
 
 
@@ -266,9 +273,11 @@ def cli(argv: list[str] | None = None) -> dict:
         help="output folder: results.json, results.md, utility_vs_epsilon.png, stages/",
     )
     parser.add_argument("--quiet", action="store_true", help="print only the final table")
-    add_reproducible_flag(parser, seeds="the config's seeds")
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
     args = parser.parse_args(argv)
-    return main(get_config(), args.out, reproducible=args.reproducible, quiet=args.quiet)
+    config = with_common_options(get_config(), argparse.Namespace(seeds=args.seeds))
+    return main(config, args.out, reproducible=args.reproducible, quiet=args.quiet)
 
 
 if __name__ == "__main__":

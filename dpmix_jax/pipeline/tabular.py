@@ -501,7 +501,7 @@ class TabularPipeline(common.MixturePipeline):
                 seed=seed,
                 utility=self.utility(model, "test"),
                 weights=[float(w) for w in weights],
-                spent=common.end_to_end_budget(stages, "parallel"),
+                spent=accounting.compose_parallel(*stages.values()),
                 stages=stages,
                 composition="parallel",
                 private=True,
