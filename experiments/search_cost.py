@@ -29,6 +29,7 @@ import pathlib
 import time
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import jax  # noqa: E402
@@ -371,20 +372,24 @@ def write(out: pathlib.Path, config: configs.SearchCostConfig, results: dict) ->
     ks = np.array([row["k"] for row in per_k])
     found = np.array([row["m_star"] is not None for row in per_k])
     largest = str(max(config.candidate_counts))
-    fig, (cost, count) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (cost, count) = plt.subplots(1, 2, figsize=(11, 5))
     composed = np.array([row["random_search_epsilon"] or np.nan for row in per_k])
     naive = np.array([row["naive_epsilon"] or np.nan for row in per_k])
     cost.plot(ks[found], composed[found], "o-", color="C1", label="Random Search, composed")
-    cost.plot(ks[found], naive[found], "o--", color="C1", label="Random Search, m·ε")
+    cost.plot(ks[found], naive[found], "D--", color="C1", label="Random Search, m·ε")
     if (~found).any():
-        cost.plot(
-            ks[~found],
-            np.full((~found).sum(), results["composed_epsilon"][largest]),
-            "^",
-            color="C1",
-            fillstyle="none",
-            label=f"Random Search, m* > {largest} (lower bound)",
-        )
+        for key, marker, label in (
+            ("composed_epsilon", "o", "composed"),
+            ("naive_epsilon", "D", "m·ε"),
+        ):
+            cost.plot(
+                ks[~found],
+                np.full((~found).sum(), results[key][largest]),
+                marker,
+                color="C1",
+                fillstyle="none",
+                label=f"{label} of {largest}: lower bound (m* > {largest})",
+            )
     cost.plot(
         ks,
         [row["dp_mixmin_epsilon"] for row in per_k],
@@ -393,17 +398,20 @@ def write(out: pathlib.Path, config: configs.SearchCostConfig, results: dict) ->
         label="DP-MixMin",
     )
     cost.set(xscale="log", yscale="log", xlabel="number of sources k", ylabel="ε spent")
-    cost.set_xticks(ks, [str(k) for k in ks])
     cost.set_title(f"ε to match DP-MixMin's excess at ε = {config.epsilon}", fontsize=10)
-    cost.legend(fontsize=8)
+    cost.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     count.plot(ks[found], [row["m_star"] for row in per_k if row["m_star"]], "o-", color="C1")
     if (~found).any():
         count.plot(
             ks[~found], np.full((~found).sum(), int(largest)), "^", color="C1", fillstyle="none"
         )
     count.set(xscale="log", yscale="log", xlabel="number of sources k", ylabel="m*(k)")
-    count.set_xticks(ks, [str(k) for k in ks])
     count.set_title("candidates Random Search needs", fontsize=10)
+    for ax in (cost, count):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xticks(ks, [str(k) for k in ks])
+    count.set_yticks(config.candidate_counts, [str(m) for m in config.candidate_counts])
     fig.tight_layout()
     fig.savefig(out / "search_cost.png", dpi=120)
     plt.close(fig)
