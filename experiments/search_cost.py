@@ -427,7 +427,7 @@ def cli(argv: list[str] | None = None) -> dict:
         "--preset",
         default="cpu",
         choices=("cpu", "tiny"),
-        help="cpu: k in {2, ..., 64}, 3 seeds, n = 20,000; tiny: a seconds-long test run",
+        help="cpu: k in {2, ..., 64}, 5 seeds, n = 20,000; tiny: a seconds-long test run",
     )
     parser.add_argument(
         "--out",
