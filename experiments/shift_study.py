@@ -331,6 +331,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
                 label=f"{shift}: reported data",
             )
         ax.set(xscale="log", xlabel="clip norm C", ylabel="cosine to non-private λ")
+        ax.minorticks_off()
+        ax.set_xticks(part["tuning_grid"], [f"{c:g}" for c in part["tuning_grid"]])
         ax.set_title(f"{name} default, ε = {results['config']['epsilon']:g}")
         ax.legend(fontsize=7)
     fig.tight_layout()
