@@ -121,3 +121,33 @@ def test_stored_page_matches_the_stored_run():
     assert (results / "shift_study.json").is_file()
     assert "<!-- table:shift_study markdown -->" in page.read_text()
     assert report.check_markdown(page, results) == []
+
+
+def test_stored_study_supports_the_default_shift():
+    # DEFAULT_SHIFT's comment rests on this: on both defaults the default shift at the preset's C
+    # has the highest mean cosine and the lowest mean excess loss of every reported cell, each
+    # tuned C is its shift's best on the tuning draws only, and every run spent at most ε as
+    # dp_accounting computes it for its σ, q and T.
+    stored = json.loads((ROOT / "docs" / "results" / "shift_study.json").read_text())
+    config = stored["config"]
+    assert stored["noise_seeded"] is True and stored["provenance"]["commit"]
+    assert set(stored["defaults"]) == {"image", "text"} and config["epsilon"] == 1.0
+    for name, part in stored["defaults"].items():
+        (default,) = [s for s in part["summary"] if s["shift"] == DEFAULT_SHIFT and s["preset"]]
+        for cell in part["summary"]:
+            assert cell["cosine"][0] <= default["cosine"][0], (name, cell["shift"])
+            assert cell["excess_loss"][0] >= default["excess_loss"][0], (name, cell["shift"])
+        tuning_seeds = set(config[f"{name}_tuning_seeds"])
+        assert {r["seed"] for r in part["tuning"]["runs"]} == tuning_seeds
+        assert not tuning_seeds & {0, *config["seeds"]}
+        for shift, best in part["tuning"]["best"].items():
+            means = {}
+            for run in part["tuning"]["runs"]:
+                if run["shift"] == shift:
+                    means.setdefault(run["clip_norm"], []).append(run["cosine"])
+            assert best == max(means, key=lambda c: np.mean(means[c])), (name, shift)
+        steps = config[name]["mixture"]["steps"]
+        for run in part["runs"][:: max(1, len(part["runs"]) // 4)]:
+            direct = direct_pld_epsilon(run["noise_multiplier"], run["sampling_rate"], steps, 1e-5)
+            assert run["spent_epsilon"] == pytest.approx(direct, rel=2e-3), name
+            assert run["spent_epsilon"] <= config["epsilon"] * (1 + 1e-9)
