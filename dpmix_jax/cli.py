@@ -44,6 +44,8 @@ EXPERIMENTS = {
     "tabular": "tabular DP-MixMin on a bundled table under covariate shift, density-ratio variant",
     "gsd": "gradient subspace distance source selection vs DP-MixMin on shared inputs",
     "clip_study": "clipping bias: excess loss against C, with and without the gradient shift",
+    "shift_study": "DP-MixMin's gradient shift vs raw clipping on the image and text defaults",
+    "search_cost": "privacy cost of Random Search against k, beside DP-MixMin's",
     "correlated_noise": "BandMF vs DP-SGD at equal ε: image and text fine-tuning, DP-MixMin",
     "adaptive_clipping": "adaptive vs fixed clip norms (C, 10C, C/10) in DP fine-tuning",
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
