@@ -172,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
         help="end-to-end DP-MixMin against the baselines on an embedded default data set",
         description=textwrap.fill(
             "Runs DP-MixMin, Uniform, Random Init, Random Search and non-private MixMin at each "
-            "ε and seed on an embedded default (offline; image: 7 minutes, text: about 15, on 2 "
+            "ε and seed on an embedded default (offline; image: 7 minutes, text: 23, on 2 "
             "CPU cores shared with other jobs) and "
             "writes results.json, results.md and plots to --out. Finished stages are stored "
             "under --out/stages, so an interrupted demo resumes."

@@ -82,7 +82,7 @@ def _stored_markdown(results: dict[str, Any], source: str) -> str:
     origin = run_provenance(results)
     seeded = results.get("noise_seeded")
     randomness = (
-        f" {compare.SEEDED_NOTE}."
+        f" {compare.SEEDED_NOTE[:1].upper()}{compare.SEEDED_NOTE[1:]}."
         if seeded
         else " Private randomness secret (from the operating system)."
         if seeded is False
