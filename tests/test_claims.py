@@ -123,6 +123,17 @@ def test_small_epsilon_weights_degrade_gracefully_as_in_the_paper():
     assert image["cosine_mean"] > image["uniform_mean"]
 
 
+def test_gsd_cannot_tell_shared_input_sources_apart_and_dp_mixmin_beats_the_oracle_source():
+    # The paper (appendix A.4): GSD scores sources by their inputs, so sources that share the
+    # inputs and differ in labels look alike to it (far closer to each other than a source with
+    # other inputs), and even the oracle choice of a single source stays below DP-MixMin.
+    results = stored("gsd")
+    spread = results["distance_spread"]["random_init"]
+    assert spread["relative_spread"] < 0.1 and spread["max"] < 0.75 * spread["control"]
+    assert results["methods"]["dp_mixmin"]["mean"] > results["oracle_single_source"]["mean"]
+    assert results["methods"]["dp_mixmin"]["mean"] > results["gsd_selected"]["random_init"]["mean"]
+
+
 AUDIT_PRIVATE_BOUNDS = (
     "many_runs",
     "one_run_steinke",
