@@ -2,7 +2,7 @@
 appendix, Tables 11, 14 and 15), and a sweep of the image default's mixture settings.
 
 Commands:
-    python -m experiments.small_eps --preset cpu --out runs/small_eps          # a few minutes
+    python -m experiments.small_eps --preset cpu --out runs/small_eps          # 15 min, 2.1 GB
     python -m experiments.small_eps --preset cpu --no-sweep                     # the table only
     python -m experiments.small_eps --preset paper --nih-root DIR --public-root DIR \\
         --data-root DATA --weights-root WEIGHTS --out DIR
