@@ -2,7 +2,7 @@
 10 and 12).
 
 Commands:
-    dpmix run per_task --preset cpu --reproducible          # 8 digit tasks, 3 seeds, minutes
+    dpmix run per_task --preset cpu --reproducible          # 8 digit tasks, 3 seeds: 13.5 min, 1 GB
     dpmix run per_task --preset paper --nih-root DIR --public-root DIR --out DIR   # CheXpert
     dpmix run per_task --preset paper_mimic --nih-root DIR --public-root DIR --out DIR
 
