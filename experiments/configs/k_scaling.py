@@ -11,15 +11,11 @@ subset) per seed, ten sensitive tasks per seed, each labelled y ~ Bernoulli(Σ_i
 sparse λ* over the 1000 label functions (three active, like the image default). Smaller k take the
 first k heads of the same proxy (nested subsets). The cpu preset (k in {2, 8, 32, 100, 316,
 1000}, 5 seeds × 10 tasks, n = 3,000 sensitive images, b = 300, ε = 1; both solvers, each DP
-run repeated with σ = 0) used 274 s of CPU time (21 minutes of wall time on a shared 2-core
-machine). Measured (mean over 50 seed-task pairs, k = 2 .. 1000): mirror descent 5.5e-4,
-6.9e-3, 1.6e-2, 3.1e-2, 5.0e-2, 6.7e-2, slope over k >= 32: 0.42 (noise part 0.32, σ = 0 bias
-0.74: T is at the compute cap, and η_k ∝ √ln k / C_k shrinks with k); Frank-Wolfe 1.2e-3 ..
-1.5e-1, slope 0.26 (T_k falls from 118 to 26); uniform weights 2.7e-2 .. 2.1e-1. At this n the
-large-k excess approaches the uniform weights' (about 0.2), which flattens both curves. At most
-0.6% of examples are clipped at the optimum. The paper (ResNet-50 proxies on k ImageNet classes,
-the first ten binarised CIFAR-100 classes as tasks, N = 50,000): slope 0.49 for k >= 32 (theory
-0.5); Table 4: 3.8e-3 at k = 32, 17.7e-3 at k = 1000.
+run repeated with σ = 0) took 3.5 minutes of wall time and 1.5 GB on 2 CPU cores; its stored
+run, docs/results/k_scaling.json, gives the excess per k and the fitted slopes (docs/experiments.md;
+a test checks the mirror-descent slope against the paper's). The paper (ResNet-50 proxies on k
+ImageNet classes, the first ten binarised CIFAR-100 classes as tasks, N = 50,000): slope 0.49 for
+k >= 32 (theory 0.5); Table 4: 3.8e-3 at k = 32, 17.7e-3 at k = 1000.
 
 The paper preset reads ImageNet-2012 (public sources: its 1000 classes, one-vs-rest) and
 CIFAR-100 (tasks: classes 0-9 one-vs-rest on the 50,000 training images) through tfds from
@@ -38,10 +34,7 @@ Its excess losses measure nothing; it checks that every stage runs and writes k_
 Synthetic proxies (`--proxies synthetic`): k sigmoid proxies on Gaussian inputs and labels drawn
 from an exact mixture of four of them (`experiments.k_scaling.mixture_problem`), n = 20,000: the
 only setting where the population optimum λ* is known exactly. Its cpu preset (k in {2, 8, 32,
-128, 256}, 3 seeds, b = 1000) used 74 s of CPU time (5.7 minutes of wall time, shared machine).
-Measured: mirror descent 2.8e-3, 1.9e-4, 1.4e-3, 5.8e-3, 1.2e-2, slope 1.01, almost all of it
-σ = 0 bias (the noise is small at this n, and the schedule's η_k is too short a step for T =
-1000 to converge); Frank-Wolfe 3.5e-4 .. 4.5e-2, slope 0.52 (noise part 0.61, bias 0.23).
+128, 256}, 3 seeds, b = 1000) is not among the stored runs.
 
 T and η follow the theory in both settings (`experiments.k_scaling.schedule`): mirror descent
 T_k = min(max_steps, ⌈(nε)² / (ln k · ln(1/δ))⌉) and η_k = step_size · √(2 ln k / T_k) / C_k;
