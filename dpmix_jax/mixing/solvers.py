@@ -489,12 +489,12 @@ def dp_mixmin(
     sums, adds noise and divides by the expected number of users. σ is calibrated to (ε, δ)
     for exactly that rate and T (`plan_dp_sgd`), unless `noise_multiplier` is given.
 
-    Choosing C (measured in `experiments/clip_study.py`, k = 8, n = 20,000, η = 2/C): C trades
+    Choosing C (`experiments/clip_study.py` measures it on a synthetic problem): C trades
     clipping bias against noise. Per-example nll gradients at uniform λ have norm about √k and
     grow without bound as weights shrink. When C is far below the typical norm, every example is
     rescaled to norm C and the update follows an average of *normalised* gradients, whose fixed
-    point is not the MixMin optimum: even without noise the result was worse than uniform weights
-    (excess 0.15-0.23 vs 0.12 for uniform at C <= 1, where 90-100% of examples are clipped).
+    point is not the MixMin optimum: even without noise the result can be worse than uniform
+    weights when nearly every example is clipped.
     Centring (the default `shift="mean"`) removes the part of each gradient the update ignores,
     so fewer gradients are clipped; on the image and text defaults it beat raw clipping
     (`shift="none"`) at the preset's C and at a C tuned for raw clipping (docs/shift-study.md,
