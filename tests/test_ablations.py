@@ -83,13 +83,16 @@ def test_tiny_command_runs_every_study_end_to_end(tmp_path):
     assert stored["noise_seeded"] is True and "--preset tiny" in stored["provenance"]["command"]
     runs = {r["setting"]: r for r in stored["runs"]}
     for run in stored["runs"]:
-        assert run["noise_seeded"] and 0.99 < run["spent_epsilon"] <= 1.0
+        assert run["noise_seeded"] and run["spent_epsilon"] <= 1.0
         stages = run["stage_epsilons"]
-        if run["composition"] == "sequential":  # both stages on all of D: the sum
+        if run["composition"] == "sequential":
+            # Both stages on all of D, calibrated to ε_mix + ε_ft = ε; the accountant's ε of the
+            # two composed lies between the larger stage and the sum.
             assert stages["mixture"] == pytest.approx(0.1, rel=1e-3)
-            assert run["spent_epsilon"] == pytest.approx(stages["mixture"] + stages["finetune"])
+            total = stages["mixture"] + stages["finetune"]
+            assert max(stages.values()) < run["spent_epsilon"] <= total * (1 + 1e-9)
         else:  # disjoint D_mix and D_ft: the max
-            assert run["spent_epsilon"] == max(stages.values())
+            assert 0.99 < run["spent_epsilon"] == max(stages.values())
     # ρ = ρ_0, the base proxy budget and parallel composition are one setting: read back twice.
     assert stored["reused_runs"] == 2
     for label in ("3 proxy steps", "parallel"):

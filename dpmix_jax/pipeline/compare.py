@@ -415,7 +415,8 @@ def budget_table(results: dict[str, Any]) -> str:
         cos_true = f"{row['cosine_true']:.3f}" if "cosine_true" in row else ""
         cos_ref = f"{row['cosine_reference']:.3f}" if "cosine_reference" in row else ""
         spent = format_epsilon(row["spent"], ".3f")
-        lines.append(f"| {method} | {eps:g} | {spent} | {cos_true} | {cos_ref} |")
+        name = METHOD_NAMES.get(method, method)
+        lines.append(f"| {name} | {eps:g} | {spent} | {cos_true} | {cos_ref} |")
     return "\n".join(lines) + "\n"
 
 
