@@ -32,6 +32,7 @@ from dpmix_jax.data.text import iter_documents, load_domains, load_enron
 from dpmix_jax.models.gpt2 import GPT2Config
 from dpmix_jax.models.resnet import ResNet, ResNetConfig
 from dpmix_jax.pipeline.common import use_compilation_cache
+from dpmix_jax.pipeline.compare import METHOD_NAMES
 from experiments import cxr as cxr_experiment
 from experiments import enron
 from experiments.configs import enron as enron_configs
@@ -237,4 +238,4 @@ def test_text_smoke_writes_the_results_table(configs, data, tmp_path, compilatio
     assert len(dp_mixmin["weights"]) == 16  # one coordinate per Common Pile domain folder
     table = (out / "results.md").read_text()
     assert table == (out / f"rho{rho:g}" / "results.md").read_text()
-    assert all(f"| {m} |" in table for m in smoke.methods)
+    assert all(f"| {METHOD_NAMES[m]}" in table for m in smoke.methods)
