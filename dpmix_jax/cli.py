@@ -629,9 +629,12 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--num-samples", type=int, default=4, metavar="N", help="texts")
     generate.add_argument(
         "--method",
-        choices=("coordinated", "independent"),
+        choices=("coordinated", "independent", "invisibleink", "amin", "pmixed"),
         default="coordinated",
-        help="vote histograms: coordinated (hot, shared sampling noise) or independent (cold)",
+        help="Hot PATE's vote histograms, coordinated (hot, shared sampling noise) or "
+        "independent (cold), or a peer on the same teachers: invisibleink (clipped logit "
+        "differences, top-k+), amin (clipped logits and a sparse-vector test, Amin et al. 2024) "
+        "or pmixed (mixtures projected onto a Rényi ball around the public model)",
     )
     generate.add_argument(
         "--aggregator",
@@ -763,7 +766,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     print(
         f"ε = {result.epsilon:.3g} at δ = {result.delta:.2g} spent (target {args.epsilon:g}; "
-        f"{result.num_queries} aggregator calls over {result.num_teachers} teachers of "
+        f"{result.method}: {result.num_queries} queries of {result.num_teachers} teachers over "
         f"{result.num_units} {result.unit}){dependent}; wrote {args.out}/samples.jsonl and "
         f"{args.out}/report.json"
     )

@@ -114,6 +114,19 @@ def test_text_task_domains_and_disjointness(text_task):
     np.testing.assert_array_equal(again.user_weights, t.user_weights)
 
 
+def test_held_out_domains_are_the_pool_the_sensitive_corpus_is_drawn_from(text_task):
+    held_out = builtin.held_out_domains(seed=0)
+    assert list(held_out) == list(text_task.domain_names)
+    for name, docs in held_out.items():
+        assert docs and not set(docs) & set(text_task.public_domains[name])
+    for doc, d in zip(text_task.sensitive.texts, text_task.document_domains, strict=True):
+        if d >= 0:
+            assert doc in held_out[text_task.domain_names[d]]
+    assert builtin.held_out_domains(seed=1) != held_out
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        builtin.held_out_domains(holdout_fraction=1.0)
+
+
 def test_user_mixtures_match_the_drawn_domains():
     t = builtin.load_text_mixture_task(
         seed=2, num_users=40, documents_per_user=(6, 6), holdout_fraction=0.6

@@ -3,6 +3,7 @@ GPT-2 saved locally in the transformers format with a locally trained tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -337,3 +338,29 @@ def test_the_public_fallback_sees_only_the_prompt():
     fallback = public.make_public_model(model, [0, 5, 7])
     direct = model(jnp.asarray([[0, 5, 7, 9, 3]], jnp.int32))[0, -1]
     np.testing.assert_allclose(fallback([9, 3]), direct, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", synthesize.PEER_METHODS)
+def test_peers_run_on_the_same_teachers_within_the_target(model, method):
+    from dpmix_jax.pate.peers import amin, invisibleink, pmixed
+
+    peer = {"invisibleink": invisibleink, "amin": amin, "pmixed": pmixed}[method]
+    result = _run(model, method=method, num_samples=3, max_new_tokens=4)
+    assert result.method == method and len(result.texts) == 3
+    assert result.teacher_forward_passes == 4 * result.num_queries
+    assert 0 < result.epsilon <= result.planned_epsilon <= result.target_epsilon * (1 + 1e-9)
+    # Calibrated for all 3 texts at full length: within 5% of the target, not per text.
+    assert result.planned_epsilon >= 0.95 * result.target_epsilon
+    settings = {}
+    if method == "amin":  # half of the budget to the sparse-vector test
+        settings["svt_noise"] = amin.svt_noise_for(
+            epsilon=1.0, delta=1e-5, runs=3 * 4, num_teachers=4
+        )
+    config = peer.calibrate(
+        epsilon=2.0, delta=1e-5, max_new_tokens=3 * 4, num_teachers=4, temperature=1.0, **settings
+    )
+    assert {k: v for k, v in result.mechanism.items() if k != "max_calls"} == (
+        dataclasses.asdict(config)
+    )
+    again = _run(model, method=method, num_samples=3, max_new_tokens=4)
+    assert again.texts == result.texts and again.epsilon == result.epsilon

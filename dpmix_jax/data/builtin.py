@@ -375,6 +375,28 @@ def _domain_documents(max_chars: int) -> tuple[tuple[str, ...], ...]:
     return tuple(unique)
 
 
+def held_out_domains(
+    *, seed: int = 0, holdout_fraction: float = 0.3, max_chars: int = 1500
+) -> dict[str, tuple[str, ...]]:
+    """Each text domain's held-out documents: those `load_text_mixture_task` with the same
+    `seed`, `holdout_fraction` and `max_chars` keeps out of its public domains (the pool its
+    sensitive corpus is drawn from), in a fixed order.
+
+    Privacy:
+        These are the text default's sensitive-side documents; use them as sensitive data.
+    """
+    if not 0 < holdout_fraction < 1:
+        raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction!r}")
+    domains = zip(TEXT_DOMAINS, _domain_documents(max_chars), strict=True)
+    held_out = {}
+    for d, (name, docs) in enumerate(domains):
+        _, held_idx = random_split(
+            len(docs), (1 - holdout_fraction, holdout_fraction), seed=seed + d
+        )
+        held_out[name] = tuple(docs[i] for i in sorted(held_idx))
+    return held_out
+
+
 @dataclasses.dataclass(frozen=True)
 class Canary:
     """A planted secret: its text, the user it was planted in, and the documents holding it."""

@@ -5,8 +5,11 @@ their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent
 `smooth_sensitivity` (private release of the data-dependent ε), `diversity` (the (τ, β, γ)
 diversity-preservation guarantee measured), `metrics` (coverage, support, yield, margins),
 `generation` (private decoding), `teachers` (in-context GPT-2 teachers), `public` (public GPT-2
-models: load, store, train, fallback) and `synthesize` (private synthetic text from a folder of
-documents); the last three are imported on demand since they load the model code.
+models: load, store, train, fallback), `synthesize` (private synthetic text from a folder of
+documents), `quality` (measures of synthetic text: MAUVE, downstream accuracy, vocabulary share,
+distinct-n) and `peers` (the private generators Hot PATE is compared with: InvisibleInk, Amin et
+al. 2024, PMixED, and the ε = 0 / ε = ∞ references); the last five are imported on demand since
+they load the model code or their own dependencies.
 """
 
 from dpmix_jax.pate import (

@@ -21,13 +21,15 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import importlib
 import json
 import math
 import os
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import dp_accounting
 import jax
@@ -41,7 +43,11 @@ from dpmix_jax.privacy.parts import assign_parts
 __all__ = [
     "AGGREGATORS",
     "DOCUMENT_SUFFIXES",
+    "METHODS",
+    "PEER_METHODS",
+    "Ensemble",
     "SynthesisResult",
+    "build_ensemble",
     "calibrated_config",
     "load_documents",
     "synthesize",
@@ -50,6 +56,8 @@ __all__ = [
 ]
 
 AGGREGATORS = ("confident_gnmax", "dpargmax_laplace", "dpws")
+PEER_METHODS = ("invisibleink", "amin", "pmixed")
+METHODS = ("coordinated", "independent", *PEER_METHODS)
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 # Default thresholds as fractions of the n teachers (the Hot PATE experiment's).
 _THRESHOLDS = {"confident_gnmax": 0.5, "dpargmax_laplace": 0.6, "dpws": 0.0}
@@ -344,6 +352,144 @@ def calibrated_config(
 # --------------------------------------------------------------------------------------------
 
 
+class _CountingTeachers:
+    """The teachers, counting their queries and reporting each step to `on_step`."""
+
+    def __init__(self, teachers, on_step: Callable[[], None] | None):
+        self._teachers = teachers
+        self._on_step = on_step
+        self.vocab_size = teachers.vocab_size
+        self.calls = 0
+
+    @property
+    def num_teachers(self) -> int:
+        return self._teachers.num_teachers
+
+    def __call__(self, prefix):
+        self.calls += 1
+        if self._on_step is not None:
+            self._on_step()
+        return self._teachers(prefix)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ensemble:
+    """In-context teachers over a public GPT-2, built from sensitive documents.
+
+    Attributes:
+        teachers: the n teachers (`generation.Teachers`), counting their queries in `calls`.
+        public_model: the same GPT-2 given only the public prompt (reads nothing sensitive).
+        prompt_ids: the public prompt's tokens, the shared prefix of every sample.
+        stop_sequences: token sequences that end a sample (any token holding a newline).
+        num_units, unit: the sensitive units behind the teachers and their kind ("documents"
+            or "users").
+        documents_in_prompts: documents that fit the teachers' prompts (the others are unread).
+    """
+
+    teachers: _CountingTeachers
+    public_model: generation.PublicModel
+    prompt_ids: list[int]
+    stop_sequences: tuple[tuple[int, ...], ...]
+    num_units: int
+    unit: str
+    documents_in_prompts: int
+
+
+def build_ensemble(
+    documents: Sequence[Mapping[str, Any]],
+    model: public.PublicTextModel,
+    *,
+    num_teachers: int,
+    prompt: str = "",
+    max_new_tokens: int,
+    key: jax.Array | None = None,
+    batch_size: int = 64,
+    stop_at_newline: bool = True,
+    on_step: Callable[[], None] | None = None,
+) -> Ensemble:
+    """Splits `documents` among `num_teachers` in-context teachers over `model`.
+
+    Units (users, or documents) go to teachers by a keyed hash (`teacher_parts`); teacher i's
+    prompt is its own documents, one per line, as many as fit the context next to the public
+    `prompt` and `max_new_tokens` generated tokens, then the prompt.
+
+    Args:
+        documents, model, num_teachers, prompt, max_new_tokens, batch_size, stop_at_newline,
+            on_step: as in `synthesize`.
+        key: the partition's PRNG key; None draws a secret one.
+
+    Raises:
+        ValueError: one line naming the argument or document (no text, fewer than 2 units,
+            n outside [2, units], a document longer than the context leaves room for, ...).
+
+    Privacy:
+        Each teacher's prompt holds its own units' documents only, so adding or removing a unit
+        changes one teacher. The teachers are sensitive: read them only through a DP mechanism.
+    """
+    from dpmix_jax.pate.teachers import InContextTeachers
+
+    privacy.check_steps(max_new_tokens, "max_new_tokens")
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+    texts, ids, unit = _check_documents(documents)
+    num_units = len(set(ids))
+    if num_units < 2:
+        raise ValueError(
+            f"the documents hold only one unit (one {unit[:-1]}); PATE needs at least 2 {unit} "
+            "to form teachers"
+        )
+    n = num_teachers
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= num_units:
+        raise ValueError(
+            f"num_teachers must be an integer from 2 to the {num_units} {unit}, got {n!r}"
+        )
+    tokenizer = model.tokenizer
+    prompt_ids = tokenizer.encode(prompt) if prompt else []
+    separator = tokenizer.encode("\n")
+    budget = model.context_length - max_new_tokens - len(prompt_ids)
+    if budget < 1 + len(separator):
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) and max_new_tokens = {max_new_tokens} leave no "
+            f"room for documents in the model's context of {model.context_length} tokens"
+        )
+    encoded = tokenizer.encode_batch(texts)
+    for index, ids_of_doc in enumerate(encoded):
+        if len(ids_of_doc) + len(separator) > budget:
+            raise ValueError(
+                f"{_where(documents[index], index)} has {len(ids_of_doc)} tokens; the model's "
+                f"context of {model.context_length} tokens holds documents of at most "
+                f"{budget - len(separator)} next to the prompt and max_new_tokens = "
+                f"{max_new_tokens}; split it into shorter documents"
+            )
+    partition_key = None if key is None else np.asarray(jax.random.key_data(key)).tobytes()
+    prompts, used = [], 0
+    for part in teacher_parts(documents, n, key=partition_key):
+        context: list[int] = []
+        for index in part:
+            piece = [*encoded[int(index)], *separator]
+            if len(context) + len(piece) > budget:
+                break
+            context.extend(piece)
+            used += 1
+        prompts.append(context + prompt_ids or [tokenizer.eos_id])
+    teachers = _CountingTeachers(
+        InContextTeachers(
+            model.model, prompts, batch_size=min(batch_size, n), pad_id=tokenizer.eos_id
+        ),
+        on_step,
+    )
+    stops = tuple((t,) for t in public.newline_tokens(tokenizer)) if stop_at_newline else ()
+    return Ensemble(
+        teachers=teachers,
+        public_model=public.make_public_model(model.model, [tokenizer.eos_id, *prompt_ids]),
+        prompt_ids=prompt_ids,
+        stop_sequences=stops,
+        num_units=num_units,
+        unit=unit,
+        documents_in_prompts=used,
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SynthesisResult:
     """Synthetic texts and what they cost.
@@ -409,26 +555,6 @@ class SynthesisResult:
         return fields
 
 
-class _CountingTeachers:
-    """The teachers, counting their queries and reporting each step to `on_step`."""
-
-    def __init__(self, teachers, on_step: Callable[[], None] | None):
-        self._teachers = teachers
-        self._on_step = on_step
-        self.vocab_size = teachers.vocab_size
-        self.calls = 0
-
-    @property
-    def num_teachers(self) -> int:
-        return self._teachers.num_teachers
-
-    def __call__(self, prefix):
-        self.calls += 1
-        if self._on_step is not None:
-            self._on_step()
-        return self._teachers(prefix)
-
-
 def synthesize(
     documents: Sequence[Mapping[str, Any]],
     model: public.PublicTextModel,
@@ -437,7 +563,7 @@ def synthesize(
     delta: float,
     num_samples: int,
     num_teachers: int,
-    method: Literal["coordinated", "independent"] = "coordinated",
+    method: str = "coordinated",
     prompt: str = "",
     key: jax.Array | None = None,
     aggregator: str = "confident_gnmax",
@@ -463,7 +589,11 @@ def synthesize(
         num_teachers: n, from 2 to the number of units; fix it without looking at the data
             (not from its size): the partition depends on n, so a data-dependent n would let
             one unit move every other unit's teacher.
-        method: "coordinated" (hot: shared sampling noise) or "independent" (cold) histograms.
+        method: Hot PATE's "coordinated" (hot: shared sampling noise) or "independent" (cold)
+            histograms, or a peer from `pate.peers` on the same teachers: "invisibleink",
+            "amin" or "pmixed", each calibrated by its own analysis so that all `num_samples`
+            texts at full length cost at most (ε, δ); `aggregator`, `threshold_fraction`,
+            `max_retries` and `public_fallback` are Hot PATE's and do not apply to them.
         prompt: public text every teacher's context and every sample starts from.
         key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
             randomness. A key makes the run reproducible and not private against anyone who
@@ -495,67 +625,47 @@ def synthesize(
         result's texts and ε values are publishable; `documents_in_prompts` depends on the
         documents' lengths and is for the data owner's report only.
     """
-    from dpmix_jax.pate.teachers import InContextTeachers
-
     epsilon = privacy.check_epsilon(epsilon)
     delta = privacy.check_delta(delta)
     privacy.check_steps(num_samples, "num_samples")
     privacy.check_steps(max_new_tokens, "max_new_tokens")
-    if method not in ("coordinated", "independent"):
-        raise ValueError(f"method must be 'coordinated' or 'independent', got {method!r}")
-    if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    texts, ids, unit = _check_documents(documents)
-    num_units = len(set(ids))
-    if num_units < 2:
-        raise ValueError(
-            f"the documents hold only one unit (one {unit[:-1]}); PATE needs at least 2 {unit} "
-            "to form teachers"
-        )
-    n = num_teachers
-    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= num_units:
-        raise ValueError(
-            f"num_teachers must be an integer from 2 to the {num_units} {unit}, got {n!r}"
-        )
-    privacy.check_delta_for_units(delta, n, unit="teachers")
-    tokenizer = model.tokenizer
-    prompt_ids = tokenizer.encode(prompt) if prompt else []
-    separator = tokenizer.encode("\n")
-    budget = model.context_length - max_new_tokens - len(prompt_ids)
-    if budget < 1 + len(separator):
-        raise ValueError(
-            f"the prompt ({len(prompt_ids)} tokens) and max_new_tokens = {max_new_tokens} leave no "
-            f"room for documents in the model's context of {model.context_length} tokens"
-        )
-    encoded = tokenizer.encode_batch(texts)
-    for index, ids_of_doc in enumerate(encoded):
-        if len(ids_of_doc) + len(separator) > budget:
-            raise ValueError(
-                f"{_where(documents[index], index)} has {len(ids_of_doc)} tokens; the model's "
-                f"context of {model.context_length} tokens holds documents of at most "
-                f"{budget - len(separator)} next to the prompt and max_new_tokens = "
-                f"{max_new_tokens}; split it into shorter documents"
-            )
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     seeded = key is not None
+    partition_key = None
     if seeded:
-        partition_key = np.asarray(jax.random.key_data(jax.random.fold_in(key, 0))).tobytes()
+        partition_key = jax.random.fold_in(key, 0)
         key = jax.random.fold_in(key, 1)
-    else:
-        partition_key = None
-    parts = teacher_parts(documents, n, key=partition_key)
-    prompts, used = [], 0
-    for part in parts:
-        context: list[int] = []
-        for index in part:
-            piece = [*encoded[int(index)], *separator]
-            if len(context) + len(piece) > budget:
-                break
-            context.extend(piece)
-            used += 1
-        prompts.append(context + prompt_ids or [tokenizer.eos_id])
-
+    ensemble = build_ensemble(
+        documents,
+        model,
+        num_teachers=num_teachers,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        key=partition_key,
+        batch_size=batch_size,
+        stop_at_newline=stop_at_newline,
+        on_step=on_step,
+    )
+    privacy.check_delta_for_units(delta, num_teachers, unit="teachers")
+    if method in PEER_METHODS:
+        return _synthesize_with_peer(
+            ensemble,
+            model,
+            method=method,
+            epsilon=epsilon,
+            delta=delta,
+            num_samples=num_samples,
+            num_teachers=num_teachers,
+            prompt=prompt,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+        )
+    tokenizer = model.tokenizer
+    prompt_ids = ensemble.prompt_ids
+    n = num_teachers
     num_calls = num_samples * max_new_tokens * (max_retries + 1)
-    stops = tuple((t,) for t in public.newline_tokens(tokenizer)) if stop_at_newline else ()
     config = calibrated_config(
         aggregator,
         epsilon=epsilon,
@@ -568,7 +678,7 @@ def synthesize(
         max_retries=max_retries,
         max_new_tokens=max_new_tokens,
         eos_id=tokenizer.eos_id,
-        stop_sequences=stops,
+        stop_sequences=ensemble.stop_sequences,
     )
     vocab = int(model.model.config.vocab_size)
     if config.aggregator == "confident_gnmax":
@@ -591,17 +701,8 @@ def synthesize(
     event, call_delta = config.charge()
     planned = accounting.epsilon_of_steps(event, steps=num_calls, delta=config.report_delta)
 
-    teachers = _CountingTeachers(
-        InContextTeachers(
-            model.model, prompts, batch_size=min(batch_size, n), pad_id=tokenizer.eos_id
-        ),
-        on_step,
-    )
-    fallback = (
-        public.make_public_model(model.model, [tokenizer.eos_id, *prompt_ids])
-        if public_fallback
-        else None
-    )
+    teachers = ensemble.teachers
+    fallback = ensemble.public_model if public_fallback else None
     ledger = accounting.PateLedger()
     results = []
     for _ in range(num_samples):
@@ -657,14 +758,110 @@ def synthesize(
         aggregator=aggregator,
         method=method,
         num_teachers=n,
-        num_units=num_units,
-        unit=unit,
-        documents_in_prompts=used,
+        num_units=ensemble.num_units,
+        unit=ensemble.unit,
+        documents_in_prompts=ensemble.documents_in_prompts,
         tokens_generated=len(sources),
         steps_with_output=sources.count("private"),
         steps_without_output=failed_steps,
         num_queries=sum(r.num_queries for r in results),
         teacher_forward_passes=teachers.calls * n,
         mechanism=mechanism,
+        seeded=seeded,
+    )
+
+
+def _synthesize_with_peer(
+    ensemble: Ensemble,
+    model: public.PublicTextModel,
+    *,
+    method: str,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    num_teachers: int,
+    prompt: str,
+    key: jax.Array | None,
+    max_new_tokens: int,
+    temperature: float,
+) -> SynthesisResult:
+    """`synthesize` with a peer method of `pate.peers` on the ensemble's teachers.
+
+    The peer is calibrated for the worst case of all samples, num_samples · max_new_tokens
+    tokens from the same teachers (each peer's cost per token composes over tokens and texts
+    alike), then decodes each text with max_new_tokens; the ε reported is the peer's own
+    analysis of the texts' charges added up (`PeerResult.charges`).
+
+    Privacy: the teachers are read only through the peer's mechanism; see its module.
+    """
+    peer = importlib.import_module(f"dpmix_jax.pate.peers.{method}")
+    worst_case = num_samples * max_new_tokens
+    settings = {}
+    if method == "amin":
+        # The sparse-vector test gets half of the budget and the clip bound the rest.
+        settings["svt_noise"] = peer.svt_noise_for(
+            epsilon=epsilon / 2, delta=delta, runs=worst_case, num_teachers=num_teachers
+        )
+    config = peer.calibrate(
+        epsilon=epsilon,
+        delta=delta,
+        max_new_tokens=worst_case,
+        num_teachers=num_teachers,
+        temperature=temperature,
+        **settings,
+    )
+    planned = peer.epsilon(config, delta=delta, **peer.worst_case_charges(config))
+    per_text = {"max_new_tokens": max_new_tokens}
+    if method == "amin":
+        per_text["max_private_tokens"] = max_new_tokens
+    text_config = dataclasses.replace(config, **per_text)
+    tokenizer = model.tokenizer
+    seeded = key is not None
+    results = []
+    for _ in range(num_samples):
+        sub = None
+        if seeded:
+            key, sub = jax.random.split(key)
+        results.append(
+            peer.generate(
+                ensemble.teachers,
+                ensemble.public_model,
+                prompt=ensemble.prompt_ids,
+                config=text_config,
+                key=sub,
+                eos_id=tokenizer.eos_id,
+                stop_sequences=ensemble.stop_sequences,
+            )
+        )
+    charges = collections.Counter()
+    for result in results:
+        charges.update(result.charges)
+    spent = peer.epsilon(config, delta=delta, **charges)
+    sources = [s for r in results for s in r.sources]
+    return SynthesisResult(
+        texts=tuple(prompt + tokenizer.decode(r.tokens) for r in results),
+        marked_texts=tuple(
+            prompt + public.marked_text(tokenizer, r.tokens, r.sources) for r in results
+        ),
+        stop_reasons=tuple(r.stop_reason for r in results),
+        epsilon=spent,
+        delta=delta,
+        target_epsilon=epsilon,
+        target_delta=delta,
+        planned_epsilon=planned,
+        data_dependent_epsilon=None,
+        released_epsilons=None,
+        aggregator=method,
+        method=method,
+        num_teachers=num_teachers,
+        num_units=ensemble.num_units,
+        unit=ensemble.unit,
+        documents_in_prompts=ensemble.documents_in_prompts,
+        tokens_generated=len(sources),
+        steps_with_output=sources.count("private"),
+        steps_without_output=sources.count("public"),
+        num_queries=len(sources),
+        teacher_forward_passes=sum(r.teacher_forward_passes for r in results),
+        mechanism={**dataclasses.asdict(config), "max_calls": worst_case},
         seeded=seeded,
     )

@@ -1,0 +1,511 @@
+"""Private text generators head to head: Hot PATE, independent PATE, InvisibleInk, Amin et al.
+2024 and PMixED on the same teachers, public model, documents and (ε, δ).
+
+For each BBC topic of the text default, the sentences of half of the topic's held-out articles
+are split among n in-context teachers over the public GPT-2 (`pate.synthesize.build_ensemble`;
+one sentence is one unit). Every method writes `lines_per_topic` lines per topic through
+`pate.synthesize.synthesize`, calibrated so that its worst case costs at most the target
+(ε, δ) by its own analysis; the ε reported is the one for what ran. The topics hold disjoint
+sentences, so a run's output is (max over topics ε, δ)-DP by parallel composition.
+
+Measured per run (`pate.quality`): a TF-IDF + logistic-regression classifier trained on the
+synthetic lines, labelled by topic, tested on real sentences of the other held-out articles;
+MAUVE of the synthetic lines against those real sentences (features: the public model's
+last-token states); the share of generated words in the public corpus's vocabulary; distinct-2;
+tokens per second and teacher forward passes per token. References: the public model alone
+(ε = 0, `pate.peers.reference.generate_public`) and sampling from the teachers' average
+distribution (ε = ∞, `generate_nonprivate`). Writes results.json, results.md, text_peers.png
+and samples.jsonl.
+
+    python -m experiments.text_peers --out DIR --reproducible
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import jax  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from dpmix_jax.data.builtin import held_out_domains, load_text_mixture_task  # noqa: E402
+from dpmix_jax.pate import public, quality, synthesize  # noqa: E402
+from dpmix_jax.pate.peers import reference  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
+from experiments.common_args import (  # noqa: E402
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
+from experiments.configs import text_peers as configs  # noqa: E402
+
+TITLE = "Private text generators head to head: topic-conditioned lines on the BBC domains"
+LABELS = {
+    "hot_pate": "Hot PATE (coordinated)",
+    "independent_pate": "PATE (independent)",
+    "invisibleink": "InvisibleInk",
+    "amin": "Amin et al. 2024",
+    "pmixed": "PMixED",
+    "public": "public model (ε = 0)",
+    "nonprivate": "teachers' average (ε = ∞)",
+}
+SYNTHESIZE_METHOD = {
+    "hot_pate": "coordinated",
+    "independent_pate": "independent",
+    "invisibleink": "invisibleink",
+    "amin": "amin",
+    "pmixed": "pmixed",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Data.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TopicData:
+    """One topic's sensitive sentences (the teachers') and real held-out test sentences."""
+
+    documents: tuple[dict, ...]
+    test: tuple[str, ...]
+
+
+def topic_data(config: configs.TextPeersConfig) -> dict[str, TopicData]:
+    """Per topic: sentences of the even-numbered held-out articles (the teachers' documents,
+    one unit each) and up to `test_per_topic` sentences of the odd-numbered ones (the test set).
+
+    Privacy: both halves are sensitive-side data; only the teachers' half is read by the
+    private generators, the test half only by the (non-private) evaluation.
+    """
+    held_out = held_out_domains(seed=config.model.seed)
+    data = {}
+    for topic in config.topics:
+        articles = held_out[f"bbc_{topic}"]
+
+        def sentences(part, topic=topic):
+            lines = public.split_sentences(part, min_chars=config.min_chars)
+            return [line[: config.max_chars] for line in lines]
+
+        teachers = sentences(articles[0::2])
+        test = sentences(articles[1::2])[: config.test_per_topic]
+        if len(teachers) < config.num_teachers:
+            raise ValueError(
+                f"topic {topic} has {len(teachers)} sentences for {config.num_teachers} teachers"
+            )
+        docs = tuple({"text": s, "source": f"bbc_{topic}"} for s in teachers)
+        data[topic] = TopicData(documents=docs, test=tuple(test))
+    return data
+
+
+def public_vocabulary(config: configs.TextPeersConfig) -> frozenset[str]:
+    """The words of the public model's training corpus (the public domains)."""
+    task = load_text_mixture_task(
+        seed=config.model.seed,
+        num_users=config.model.num_users,
+        max_public_per_domain=config.model.max_public_per_domain,
+    )
+    return quality.corpus_vocabulary([d for docs in task.public_domains.values() for d in docs])
+
+
+# --------------------------------------------------------------------------------------------
+# Runs.
+# --------------------------------------------------------------------------------------------
+
+
+def _run_key(seed: int, *, reproducible: bool) -> jax.Array:
+    return randomness.prng_key(seed if reproducible else randomness.secret_seed())
+
+
+def private_run(
+    config: configs.TextPeersConfig,
+    model: public.PublicTextModel,
+    data: dict[str, TopicData],
+    method: str,
+    epsilon: float,
+    seed: int,
+    *,
+    reproducible: bool,
+) -> dict:
+    """One method at one ε and seed: `lines_per_topic` lines per topic and what they cost.
+
+    Privacy: each topic's call is (ε, δ)-DP on its own sentences by the method's analysis; the
+    topics are disjoint, so the run is (max ε, δ)-DP (parallel composition).
+    """
+    key = _run_key(seed, reproducible=reproducible)
+    lines, labels, spent, tokens, passes, seconds = [], [], [], 0, 0, 0.0
+    for index, topic in enumerate(config.topics):
+        start = time.perf_counter()
+        result = synthesize.synthesize(
+            data[topic].documents,
+            model,
+            epsilon=epsilon,
+            delta=config.delta,
+            num_samples=config.lines_per_topic,
+            num_teachers=config.num_teachers,
+            method=SYNTHESIZE_METHOD[method],
+            key=jax.random.fold_in(key, index),
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+        )
+        seconds += time.perf_counter() - start
+        lines += [text.strip() for text in result.texts]
+        labels += [topic] * len(result.texts)
+        spent.append(result.epsilon)
+        tokens += result.tokens_generated
+        passes += result.teacher_forward_passes
+    return {
+        "lines": lines,
+        "labels": labels,
+        "epsilon": max(spent),
+        "tokens": tokens,
+        "seconds": seconds,
+        "teacher_forward_passes": passes,
+    }
+
+
+def reference_run(
+    config: configs.TextPeersConfig,
+    model: public.PublicTextModel,
+    data: dict[str, TopicData],
+    which: str,
+    seed: int,
+    *,
+    reproducible: bool,
+) -> dict:
+    """The ε = 0 (`which="public"`) or ε = ∞ (`"nonprivate"`) reference on the same teachers.
+
+    Privacy: "nonprivate" reads the teachers without noise (ε = ∞): a reference only.
+    """
+    key = _run_key(seed, reproducible=reproducible)
+    lines, labels, tokens, passes, seconds = [], [], 0, 0, 0.0
+    for index, topic in enumerate(config.topics):
+        topic_key = jax.random.fold_in(key, index)
+        start = time.perf_counter()
+        ensemble = synthesize.build_ensemble(
+            data[topic].documents,
+            model,
+            num_teachers=config.num_teachers,
+            max_new_tokens=config.max_new_tokens,
+            key=jax.random.fold_in(topic_key, 0),
+        )
+        settings = dict(
+            prompt=ensemble.prompt_ids,
+            max_new_tokens=config.max_new_tokens,
+            temperature=config.temperature,
+            eos_id=model.tokenizer.eos_id,
+            stop_sequences=ensemble.stop_sequences,
+        )
+        for line in range(config.lines_per_topic):
+            line_key = jax.random.fold_in(topic_key, line + 1)
+            if which == "public":
+                result = reference.generate_public(ensemble.public_model, key=line_key, **settings)
+            else:
+                result = reference.generate_nonprivate(ensemble.teachers, key=line_key, **settings)
+            lines.append(model.tokenizer.decode(result.tokens).strip())
+            labels.append(topic)
+            tokens += len(result.tokens)
+            passes += result.teacher_forward_passes
+        seconds += time.perf_counter() - start
+    return {
+        "lines": lines,
+        "labels": labels,
+        "epsilon": 0.0 if which == "public" else float("inf"),
+        "tokens": tokens,
+        "seconds": seconds,
+        "teacher_forward_passes": passes,
+    }
+
+
+def measure(
+    config: configs.TextPeersConfig,
+    run: dict,
+    data: dict[str, TopicData],
+    vocabulary: frozenset[str],
+    featurize,
+) -> dict:
+    """The run's utility and readability (see the module docstring).
+
+    Privacy: not private: the measures read the real test sentences (evaluation only).
+    """
+    test = [s for topic in config.topics for s in data[topic].test]
+    test_labels = [topic for topic in config.topics for _ in data[topic].test]
+    texts = [line if quality.words(line) else "" for line in run["lines"]]
+    worded = [t for t in texts if t]
+    downstream = quality.downstream_accuracy(
+        [t for t in texts if t],
+        [label for t, label in zip(texts, run["labels"], strict=True) if t],
+        test,
+        test_labels,
+        seed=config.mauve_seed,
+    )
+    mauve = quality.mauve_score(worded, test, featurize=featurize, seed=config.mauve_seed)
+    return {
+        "accuracy": downstream.accuracy,
+        "macro_f1": downstream.macro_f1,
+        "mauve": mauve.mauve,
+        "vocabulary_share": quality.vocabulary_share(worded, vocabulary),
+        "distinct_2": quality.distinct_n(worded, 2),
+        "empty_lines": len(texts) - len(worded),
+        "tokens_per_second": run["tokens"] / max(run["seconds"], 1e-9),
+        "teacher_passes_per_token": run["teacher_forward_passes"] / max(run["tokens"], 1),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The study.
+# --------------------------------------------------------------------------------------------
+
+MEASURES = (
+    "accuracy",
+    "mauve",
+    "vocabulary_share",
+    "distinct_2",
+    "tokens_per_second",
+    "teacher_passes_per_token",
+)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """Mean and standard deviation over seeds of every measure, per (method, ε)."""
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["method"], row["target_epsilon"]), []).append(row)
+    summary = []
+    for (method, epsilon), runs in groups.items():
+        entry = {
+            "method": method,
+            "target_epsilon": epsilon,
+            "seeds": len(runs),
+            "epsilon_spent": max(r["epsilon"] for r in runs),
+        }
+        for name in MEASURES:
+            values = np.array([r[name] for r in runs], np.float64)
+            entry[name] = {"mean": float(values.mean()), "std": float(values.std())}
+        summary.append(entry)
+    return summary
+
+
+def main(
+    config: configs.TextPeersConfig,
+    out: pathlib.Path | None = None,
+    *,
+    reproducible: bool = False,
+) -> dict:
+    """Runs the head-to-head; returns (and, with `out`, writes) the results.
+
+    The public model is read back from `out/stages` when stored there (trained otherwise).
+    Without `reproducible`, partitions, samplers and noise are secret.
+    """
+    start = time.time()
+
+    def log(message: str) -> None:
+        if config.progress:
+            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+
+    stages = None if out is None else out / "stages"
+    model = public.text_default_model(stages, config.model, log=log)
+    data = topic_data(config)
+    vocabulary = public_vocabulary(config)
+    featurize = lambda texts: quality.gpt2_features(  # noqa: E731
+        model.model, model.tokenizer, max_tokens=model.context_length
+    )(texts)
+    rows, samples = [], []
+    plan = [(m, e) for m in config.methods for e in config.epsilons]
+    plan += [(r, None) for r in configs.REFERENCES]
+    for seed in config.seeds:
+        for method, epsilon in plan:
+            if epsilon is None:
+                run = reference_run(config, model, data, method, seed, reproducible=reproducible)
+            else:
+                run = private_run(
+                    config, model, data, method, epsilon, seed, reproducible=reproducible
+                )
+            row = {
+                "method": method,
+                "target_epsilon": epsilon,
+                "seed": seed,
+                "epsilon": run["epsilon"],
+                "tokens": run["tokens"],
+                "seconds": run["seconds"],
+                **measure(config, run, data, vocabulary, featurize),
+            }
+            rows.append(row)
+            samples += [
+                {"method": method, "target_epsilon": epsilon, "seed": seed, "topic": t, "text": s}
+                for s, t in zip(run["lines"], run["labels"], strict=True)
+            ]
+            log(
+                f"seed {seed} {LABELS[method]}"
+                + ("" if epsilon is None else f" ε = {epsilon:g}")
+                + f": accuracy {row['accuracy']:.2f}, MAUVE {row['mauve']:.3f},"
+                f" ε spent {row['epsilon']:.3g}"
+            )
+    results = {
+        "config": dataclasses.asdict(config),
+        "model": {
+            "source": model.source,
+            "parameters": int(
+                sum(np.size(x) for x in jax.tree.leaves(nnx.state(model.model, nnx.Param)))
+            ),
+        },
+        "test_sentences": {t: len(data[t].test) for t in config.topics},
+        "teacher_sentences": {t: len(data[t].documents) for t in config.topics},
+        "noise_seeded": reproducible,
+        "rows": rows,
+        "summary": summarise(rows),
+        "seconds": time.time() - start,
+        "provenance": provenance(),
+    }
+    print(markdown(config, results))
+    if out is not None:
+        write(out, config, results, samples)
+    return results
+
+
+def _cell(entry: dict, name: str, digits: int = 2) -> str:
+    value = entry[name]
+    if entry["seeds"] == 1:
+        return f"{value['mean']:.{digits}f}"
+    return f"{value['mean']:.{digits}f} ± {value['std']:.{digits}f}"
+
+
+def _epsilon_label(entry: dict) -> str:
+    epsilon = entry["target_epsilon"]
+    return "-" if epsilon is None else f"{epsilon:g}"
+
+
+def markdown(config: configs.TextPeersConfig, results: dict) -> str:
+    """The results as a titled markdown page: the head-to-head table and the setting."""
+    lines = [
+        f"# {TITLE}",
+        "",
+        "| method | ε target | ε spent | downstream accuracy | MAUVE | words in public vocabulary"
+        " | distinct-2 | tokens/s | teacher passes per token |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    order = {m: i for i, m in enumerate((*config.methods, *configs.REFERENCES))}
+    summary = sorted(
+        results["summary"],
+        key=lambda e: (order[e["method"]], e["target_epsilon"] or 0.0),
+    )
+    for entry in summary:
+        lines.append(
+            f"| {LABELS[entry['method']]} | {_epsilon_label(entry)} |"
+            f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'accuracy')} |"
+            f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'vocabulary_share')} |"
+            f" {_cell(entry, 'distinct_2')} | {entry['tokens_per_second']['mean']:.0f} |"
+            f" {entry['teacher_passes_per_token']['mean']:.0f} |"
+        )
+    tests = sum(results["test_sentences"].values())
+    lines += [
+        "",
+        f"Setting: {len(config.topics)} BBC topics; per topic {config.num_teachers} in-context"
+        f" teachers over the public GPT-2 ({results['model']['parameters']:,} parameters,"
+        f" {results['model']['source']}) share the sentences of half of the topic's held-out"
+        f" articles (one sentence is one unit); every method writes {config.lines_per_topic}"
+        f" lines of at most {config.max_new_tokens} tokens per topic at the target (ε, δ ="
+        f" {config.delta:g}) by its own analysis (ε spent: the largest over seeds of the run's"
+        " ε, the topics' disjoint data composing in parallel). Downstream accuracy: TF-IDF +"
+        f" logistic regression trained on the synthetic lines, tested on {tests} real"
+        " sentences of the other held-out articles (chance"
+        f" {1 / len(config.topics):.2f}); MAUVE against the same real sentences, features from"
+        " the public model; words in public vocabulary: the share of generated words that"
+        f" occur in the public corpus. Mean ± std over {len(config.seeds)} seeds.",
+        SEEDED_NOTE if results.get("noise_seeded") else "Partitions, samplers and noise secret.",
+    ]
+    return "\n".join(lines)
+
+
+def write(
+    out: pathlib.Path, config: configs.TextPeersConfig, results: dict, samples: list[dict]
+) -> None:
+    """Writes results.json, results.md, samples.jsonl and text_peers.png under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(markdown(config, results) + "\n")
+    with (out / "samples.jsonl").open("w") as f:
+        for sample in samples:
+            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+    plot(out / "text_peers.png", config, results)
+
+
+def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> None:
+    """Utility against ε, one line per method, the ε = 0 and ε = ∞ references drawn across."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, name, label in (
+        (axes[0], "accuracy", "downstream accuracy (real test sentences)"),
+        (axes[1], "mauve", "MAUVE against real sentences"),
+    ):
+        for index, method in enumerate(config.methods):
+            entries = sorted(
+                (e for e in results["summary"] if e["method"] == method),
+                key=lambda e: e["target_epsilon"],
+            )
+            ax.errorbar(
+                [e["target_epsilon"] for e in entries],
+                [e[name]["mean"] for e in entries],
+                yerr=[e[name]["std"] for e in entries],
+                marker="o",
+                capsize=3,
+                color=f"C{index}",
+                label=LABELS[method],
+            )
+        for which, style in (("public", ":"), ("nonprivate", "--")):
+            entry = next(e for e in results["summary"] if e["method"] == which)
+            ax.axhline(entry[name]["mean"], color="k", linestyle=style, label=LABELS[which])
+        ax.set(xscale="log", xlabel="ε (each topic's run; δ fixed)", ylabel=label)
+        ax.set_xticks(config.epsilons, [f"{e:g}" for e in config.epsilons])
+    axes[0].axhline(1 / len(config.topics), color="0.6", linewidth=0.8, label="chance")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(
+        f"Topic-conditioned lines, {config.num_teachers} teachers per topic; error bars: std"
+        f" over {len(config.seeds)} seeds",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cli(argv: list[str] | None = None) -> dict:
+    parser = experiment_parser(
+        "text_peers",
+        __doc__.splitlines()[0],
+        examples=("--out runs/text_peers --reproducible", "--preset tiny --out runs/tiny"),
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=("cpu", "tiny"),
+        help="cpu: 5 methods, ε in {1, 3, 10}, 3 seeds, 128 teachers per topic; tiny: a test run",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/text_peers"),
+        metavar="DIR",
+        help="output folder: results.json, results.md, samples.jsonl, text_peers.png, stages/",
+    )
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser)
+    add_quiet_flag(parser)
+    args = parser.parse_args(argv)
+    config = with_common_options(configs.get_config(args.preset), args)
+    return main(config, args.out, reproducible=args.reproducible)
+
+
+if __name__ == "__main__":
+    with experiment_main("text_peers"):
+        cli()

@@ -1,0 +1,93 @@
+"""The private text generators' head-to-head (`experiments/text_peers.py`): a tiny run, and the
+stored cpu run's table and claims."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+
+from dpmix_jax.pate import public
+from experiments import text_peers
+from experiments.configs import text_peers as configs
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STORED = ROOT / "results" / "text_peers.json"
+
+
+def test_config_rejects_bad_settings():
+    for settings, match in (
+        ({"methods": ("hot_pate", "gpt4")}, "methods"),
+        ({"epsilons": (0.0,)}, "epsilons"),
+        ({"topics": ("business",)}, "topics"),
+        ({"num_teachers": 1}, "num_teachers"),
+        ({"min_chars": 50, "max_chars": 40}, "min_chars"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            configs.TextPeersConfig(**settings)
+
+
+def test_topic_data_keeps_teachers_and_test_apart():
+    config = configs.get_config("tiny")
+    data = text_peers.topic_data(config)
+    assert list(data) == list(config.topics)
+    for topic in data.values():
+        texts = {d["text"] for d in topic.documents}
+        assert len(topic.documents) >= config.num_teachers
+        assert 0 < len(topic.test) <= config.test_per_topic
+        assert not texts & set(topic.test)
+        assert all(config.min_chars <= len(d["text"]) <= config.max_chars for d in topic.documents)
+
+
+@pytest.mark.slow
+def test_a_tiny_run_writes_the_table_plot_and_samples(tmp_path):
+    config = configs.get_config("tiny")
+    results = text_peers.main(config, tmp_path, reproducible=True)
+    rows = results["rows"]
+    assert len(rows) == len(config.methods) * len(config.epsilons) + len(configs.REFERENCES)
+    for row in rows:
+        assert 0 <= row["accuracy"] <= 1 and 0 < row["mauve"] <= 1
+        if row["method"] in configs.PRIVATE_METHODS:
+            assert 0 < row["epsilon"] <= row["target_epsilon"] * (1 + 1e-9)
+    public_only = next(r for r in rows if r["method"] == "public")
+    nonprivate = next(r for r in rows if r["method"] == "nonprivate")
+    assert public_only["epsilon"] == 0 and math.isinf(nonprivate["epsilon"])
+    assert public_only["teacher_passes_per_token"] == 0
+    assert nonprivate["teacher_passes_per_token"] == config.num_teachers
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {text_peers.LABELS[m]} |" in table for m in config.methods)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").open()]
+    assert len(samples) == len(rows) * config.lines_per_topic * len(config.topics)
+    assert (tmp_path / "text_peers.png").stat().st_size > 10_000
+    # The public model is stored under the run's stages and read back by the next run.
+    (stored,) = (tmp_path / "stages").iterdir()
+    assert stored.name == f"public_model-{config.model.key()}"
+    read_back = public.text_default_model(tmp_path / "stages", config.model)
+    assert str(stored) in read_back.source
+
+
+@pytest.mark.skipif(not STORED.is_file(), reason="no stored cpu run")
+def test_the_stored_run_holds_every_method_epsilon_and_seed():
+    results = json.loads(STORED.read_text())
+    config = configs.get_config("cpu")
+    stored = results["config"]
+    assert stored["epsilons"] == list(config.epsilons) and stored["seeds"] == list(config.seeds)
+    cells = {(r["method"], r["target_epsilon"], r["seed"]) for r in results["rows"]}
+    for method in config.methods:
+        for epsilon in config.epsilons:
+            assert all((method, epsilon, seed) in cells for seed in config.seeds)
+    for row in results["rows"]:
+        if row["method"] in configs.PRIVATE_METHODS:
+            assert row["epsilon"] <= row["target_epsilon"] * (1 + 1e-9)
+    table = text_peers.markdown(configs.TextPeersConfig(**_config_fields(stored)), results)
+    assert table + "\n" == (ROOT / "results" / "text_peers.md").read_text()
+
+
+def _config_fields(stored: dict) -> dict:
+    from dpmix_jax.pate.public import TextDefaultModel
+
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
+    fields["model"] = TextDefaultModel(**stored["model"])
+    return fields
