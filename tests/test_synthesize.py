@@ -338,6 +338,16 @@ def test_the_public_fallback_sees_only_the_prompt():
     fallback = public.make_public_model(model, [0, 5, 7])
     direct = model(jnp.asarray([[0, 5, 7, 9, 3]], jnp.int32))[0, -1]
     np.testing.assert_allclose(fallback([9, 3]), direct, rtol=1e-5, atol=1e-5)
+    # One compiled function for every prefix length, and for a second fallback of the model.
+    compiled = public._logits_at._cache_size()
+    for length in range(6):
+        prefix = list(range(1, length + 1))
+        expected = model(jnp.asarray([[0, 5, 7, *prefix]], jnp.int32))[0, -1]
+        np.testing.assert_allclose(fallback(prefix), expected, rtol=1e-5, atol=1e-5)
+    public.make_public_model(model, [1])([2, 3])
+    assert public._logits_at._cache_size() - compiled <= 1
+    with pytest.raises(ValueError, match="1 to 16"):
+        fallback(list(range(14)))
 
 
 @pytest.mark.parametrize("method", synthesize.PEER_METHODS)

@@ -21,6 +21,7 @@ Privacy:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -196,16 +197,34 @@ def save_public_model(public: PublicTextModel, folder: str | os.PathLike) -> pat
 # --------------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_at(graphdef, state, ids: jax.Array, position: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(ids)[0, position]
+
+
 def make_public_model(model: GPT2, context: Sequence[int]) -> Callable[[Sequence[int]], jax.Array]:
-    """The public fallback: the same GPT-2 given only the public `context` (no private records)."""
+    """The public fallback: the same GPT-2 given only the public `context` (no private records).
+
+    Every call runs one row of the model's full `n_positions`, right-padded (the model is causal,
+    so the padding never reaches the logits read), and all such models share one compiled
+    function per model structure: decoding compiles once, not once per prefix length.
+    """
     graphdef, state = nnx.split(model)
     context = [int(t) for t in context]
+    width = int(model.config.n_positions)
 
-    @jax.jit
-    def last_logits(state, ids):
-        return nnx.merge(graphdef, state)(ids)[0, -1]
+    def last_logits(prefix: Sequence[int]) -> jax.Array:
+        ids = [*context, *(int(t) for t in prefix)]
+        if not 0 < len(ids) <= width:
+            raise ValueError(
+                f"the public context and prefix hold {len(ids)} tokens; the model reads 1 to "
+                f"{width}"
+            )
+        row = np.zeros((1, width), np.int32)
+        row[0, : len(ids)] = ids
+        return _logits_at(graphdef, state, jnp.asarray(row), jnp.asarray(len(ids) - 1))
 
-    return lambda prefix: last_logits(state, jnp.asarray([[*context, *prefix]], jnp.int32))
+    return last_logits
 
 
 def newline_tokens(tokenizer: TextTokenizer) -> tuple[int, ...]:
