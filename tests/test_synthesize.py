@@ -166,7 +166,7 @@ def test_a_key_makes_the_run_reproducible(model):
         ({"epsilon": -1.0}, "epsilon must be a finite number > 0"),
         ({"delta": 0.5}, "delta = 0.5 >= 1/n"),
         ({"num_teachers": 7}, "num_teachers must be an integer from 2 to the 6 users"),
-        ({"method": "lukewarm"}, "method must be 'coordinated' or 'independent'"),
+        ({"method": "lukewarm"}, "method must be one of coordinated, independent, invisibleink"),
         ({"max_new_tokens": 70}, "leave no room for documents"),
     ],
 )
