@@ -60,6 +60,8 @@ LABELS = {
     "public": "public model (ε = 0)",
     "nonprivate": "teachers' average (ε = ∞)",
 }
+# The public corpus separates paragraphs by blank lines: after one, the model starts a new line.
+SEPARATOR = "\n\n"
 SYNTHESIZE_METHOD = {
     "hot_pate": "coordinated",
     "independent_pate": "independent",
@@ -158,6 +160,7 @@ def private_run(
             key=jax.random.fold_in(key, index),
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
+            separator=SEPARATOR,
         )
         seconds += time.perf_counter() - start
         lines += [text.strip() for text in result.texts]
@@ -199,6 +202,7 @@ def reference_run(
             num_teachers=config.num_teachers,
             max_new_tokens=config.max_new_tokens,
             key=jax.random.fold_in(topic_key, 0),
+            separator=SEPARATOR,
         )
         settings = dict(
             prompt=ensemble.prompt_ids,
@@ -273,8 +277,19 @@ MEASURES = (
     "vocabulary_share",
     "distinct_2",
     "tokens_per_second",
+    "time_vs_forward",
     "teacher_passes_per_token",
 )
+
+
+def add_forward_ratios(rows: list[dict]) -> None:
+    """Adds to every row `time_vs_forward`: its seconds per token over those of the same seed's
+    ε = ∞ reference, which only runs the teachers' forward passes and samples (the floor)."""
+    floor = {
+        r["seed"]: r["seconds"] / max(r["tokens"], 1) for r in rows if r["method"] == "nonprivate"
+    }
+    for row in rows:
+        row["time_vs_forward"] = row["seconds"] / max(row["tokens"], 1) / floor[row["seed"]]
 
 
 def summarise(rows: list[dict]) -> list[dict]:
@@ -318,9 +333,16 @@ def main(
     model = public.text_default_model(stages, config.model, log=log)
     data = topic_data(config)
     vocabulary = public_vocabulary(config)
-    featurize = lambda texts: quality.gpt2_features(  # noqa: E731
+    gpt2_features = quality.gpt2_features(
         model.model, model.tokenizer, max_tokens=model.context_length
-    )(texts)
+    )
+    known: dict[tuple[str, ...], np.ndarray] = {}  # the test sentences' features, computed once
+
+    def featurize(texts):
+        if tuple(texts) not in known:
+            known[tuple(texts)] = gpt2_features(texts)
+        return known[tuple(texts)]
+
     rows, samples = [], []
     plan = [(m, e) for m in config.methods for e in config.epsilons]
     plan += [(r, None) for r in configs.REFERENCES]
@@ -352,10 +374,15 @@ def main(
                 + f": accuracy {row['accuracy']:.2f}, MAUVE {row['mauve']:.3f},"
                 f" ε spent {row['epsilon']:.3g}"
             )
+    add_forward_ratios(rows)
+    test = [s for topic in config.topics for s in data[topic].test]
     results = {
         "config": dataclasses.asdict(config),
         "model": {
             "source": model.source,
+            "heldout_perplexity": public.heldout_perplexity(
+                model.model, model.tokenizer, test, model.context_length
+            ),
             "parameters": int(
                 sum(np.size(x) for x in jax.tree.leaves(nnx.state(model.model, nnx.Param)))
             ),
@@ -392,8 +419,8 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
         f"# {TITLE}",
         "",
         "| method | ε target | ε spent | downstream accuracy | MAUVE | words in public vocabulary"
-        " | distinct-2 | tokens/s | teacher passes per token |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | distinct-2 | tokens/s | time / teachers' forward | teacher passes per token |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate((*config.methods, *configs.REFERENCES))}
     summary = sorted(
@@ -406,6 +433,7 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
             f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'accuracy')} |"
             f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'vocabulary_share')} |"
             f" {_cell(entry, 'distinct_2')} | {entry['tokens_per_second']['mean']:.0f} |"
+            f" {entry['time_vs_forward']['mean']:.2f} |"
             f" {entry['teacher_passes_per_token']['mean']:.0f} |"
         )
     tests = sum(results["test_sentences"].values())
@@ -413,7 +441,8 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
         "",
         f"Setting: {len(config.topics)} BBC topics; per topic {config.num_teachers} in-context"
         f" teachers over the public GPT-2 ({results['model']['parameters']:,} parameters,"
-        f" {results['model']['source']}) share the sentences of half of the topic's held-out"
+        f" per-token perplexity {results['model']['heldout_perplexity']:.1f} on the test"
+        " sentences) share the sentences of half of the topic's held-out"
         f" articles (one sentence is one unit); every method writes {config.lines_per_topic}"
         f" lines of at most {config.max_new_tokens} tokens per topic at the target (ε, δ ="
         f" {config.delta:g}) by its own analysis (ε spent: the largest over seeds of the run's"
@@ -422,7 +451,9 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
         " sentences of the other held-out articles (chance"
         f" {1 / len(config.topics):.2f}); MAUVE against the same real sentences, features from"
         " the public model; words in public vocabulary: the share of generated words that"
-        f" occur in the public corpus. Mean ± std over {len(config.seeds)} seeds.",
+        " occur in the public corpus. Time / teachers' forward: seconds per token"
+        " over those of the ε = ∞ reference, which only runs the teachers and samples (its"
+        f" floor). Mean ± std over {len(config.seeds)} seeds.",
         SEEDED_NOTE if results.get("noise_seeded") else "Partitions, samplers and noise secret.",
     ]
     return "\n".join(lines)
@@ -489,7 +520,7 @@ def cli(argv: list[str] | None = None) -> dict:
         "--preset",
         default="cpu",
         choices=("cpu", "tiny"),
-        help="cpu: 5 methods, ε in {1, 3, 10}, 3 seeds, 128 teachers per topic; tiny: a test run",
+        help="cpu: 5 methods, ε in {1, 3, 10}, 3 seeds, 64 teachers per topic; tiny: a test run",
     )
     parser.add_argument(
         "--out",

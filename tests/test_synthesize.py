@@ -168,6 +168,7 @@ def test_a_key_makes_the_run_reproducible(model):
         ({"num_teachers": 7}, "num_teachers must be an integer from 2 to the 6 users"),
         ({"method": "lukewarm"}, "method must be one of coordinated, independent, invisibleink"),
         ({"max_new_tokens": 70}, "leave no room for documents"),
+        ({"separator": ""}, "separator must be a non-empty string"),
     ],
 )
 def test_bad_settings_give_one_line(model, change, message):
@@ -374,3 +375,19 @@ def test_peers_run_on_the_same_teachers_within_the_target(model, method):
     )
     again = _run(model, method=method, num_samples=3, max_new_tokens=4)
     assert again.texts == result.texts and again.epsilon == result.epsilon
+
+
+def test_each_document_is_followed_by_the_separator_in_its_teachers_prompt(model):
+    docs = [{"text": "Meeting 1 moved.", "user": "a"}, {"text": "Report due.", "user": "b"}]
+    key = jax.random.key(3)
+    ensemble = synthesize.build_ensemble(
+        docs, model, num_teachers=2, max_new_tokens=4, key=key, separator="\n\n"
+    )
+    parts = synthesize.teacher_parts(docs, 2, key=np.asarray(jax.random.key_data(key)).tobytes())
+    logits = ensemble.teachers([])
+    tokenizer = model.tokenizer
+    for teacher, part in enumerate(parts):
+        prompt = [i for index in part for i in tokenizer.encode(docs[index]["text"] + "\n\n")]
+        prompt = prompt or [tokenizer.eos_id]
+        direct = model.model(jnp.asarray([prompt], jnp.int32))[0, -1]
+        np.testing.assert_allclose(logits[teacher], direct, rtol=1e-4, atol=1e-4)

@@ -405,17 +405,18 @@ def build_ensemble(
     key: jax.Array | None = None,
     batch_size: int = 64,
     stop_at_newline: bool = True,
+    separator: str = "\n",
     on_step: Callable[[], None] | None = None,
 ) -> Ensemble:
     """Splits `documents` among `num_teachers` in-context teachers over `model`.
 
     Units (users, or documents) go to teachers by a keyed hash (`teacher_parts`); teacher i's
-    prompt is its own documents, one per line, as many as fit the context next to the public
-    `prompt` and `max_new_tokens` generated tokens, then the prompt.
+    prompt is its own documents, each followed by `separator`, as many as fit the context next
+    to the public `prompt` and `max_new_tokens` generated tokens, then the prompt.
 
     Args:
         documents, model, num_teachers, prompt, max_new_tokens, batch_size, stop_at_newline,
-            on_step: as in `synthesize`.
+            separator, on_step: as in `synthesize`.
         key: the partition's PRNG key; None draws a secret one.
 
     Raises:
@@ -443,9 +444,11 @@ def build_ensemble(
         raise ValueError(
             f"num_teachers must be an integer from 2 to the {num_units} {unit}, got {n!r}"
         )
+    if not isinstance(separator, str) or not separator:
+        raise ValueError(f"separator must be a non-empty string, got {separator!r}")
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt) if prompt else []
-    separator = tokenizer.encode("\n")
+    separator = tokenizer.encode(separator)
     budget = model.context_length - max_new_tokens - len(prompt_ids)
     if budget < 1 + len(separator):
         raise ValueError(
@@ -572,6 +575,7 @@ def synthesize(
     threshold_fraction: float | None = None,
     max_retries: int = 0,
     stop_at_newline: bool = True,
+    separator: str = "\n",
     public_fallback: bool = True,
     batch_size: int = 64,
     on_step: Callable[[], None] | None = None,
@@ -606,6 +610,9 @@ def synthesize(
             aggregator, see `calibrated_config`).
         max_retries: retries of a failed step (each charged).
         stop_at_newline: a sample ends at a token holding a newline (else at EOS or the limit).
+        separator: what follows each document in a teacher's prompt ("\n": one per line; "\n\n"
+            where the public model learned blank lines between paragraphs, so that a line,
+            not an empty one, follows).
         public_fallback: on a failed step take the public model's token given only the prompt
             (free); without it the sample ends there.
         batch_size: teachers per forward pass.
@@ -645,6 +652,7 @@ def synthesize(
         key=partition_key,
         batch_size=batch_size,
         stop_at_newline=stop_at_newline,
+        separator=separator,
         on_step=on_step,
     )
     privacy.check_delta_for_units(delta, num_teachers, unit="teachers")

@@ -56,7 +56,7 @@ class TextPeersConfig:
     delta: float = 1e-5
     seeds: tuple[int, ...] = (0, 1, 2)
     topics: tuple[str, ...] = BBC_TOPICS
-    num_teachers: int = 128
+    num_teachers: int = 64
     lines_per_topic: int = 12
     max_new_tokens: int = 24
     test_per_topic: int = 100
@@ -96,7 +96,7 @@ class TextPeersConfig:
 
 
 def get_config(preset: str = "cpu") -> TextPeersConfig:
-    """ "cpu" (the stored run: 5 methods, ε in {1, 3, 10}, 3 seeds, 128 teachers per topic)
+    """ "cpu" (the stored run: 5 methods, ε in {1, 3, 10}, 3 seeds, 64 teachers per topic)
     or "tiny" (a test run on a small public model)."""
     if preset == "cpu":
         return TextPeersConfig()
