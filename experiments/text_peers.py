@@ -239,7 +239,10 @@ def measure(
     vocabulary: frozenset[str],
     featurize,
 ) -> dict:
-    """The run's utility and readability (see the module docstring).
+    """The run's utility and readability (see the module docstring), and its topic fidelity:
+    the share of its lines that a classifier trained on the real test sentences assigns to the
+    topic they were generated for (it reads the topic signal even in lines too few or too
+    garbled to train a classifier on).
 
     Privacy: not private: the measures read the real test sentences (evaluation only).
     """
@@ -254,10 +257,18 @@ def measure(
         test_labels,
         seed=config.mauve_seed,
     )
+    fidelity = quality.downstream_accuracy(
+        test,
+        test_labels,
+        worded,
+        [label for t, label in zip(texts, run["labels"], strict=True) if t],
+        seed=config.mauve_seed,
+    )
     mauve = quality.mauve_score(worded, test, featurize=featurize, seed=config.mauve_seed)
     return {
         "accuracy": downstream.accuracy,
         "macro_f1": downstream.macro_f1,
+        "topic_fidelity": fidelity.accuracy,
         "mauve": mauve.mauve,
         "vocabulary_share": quality.vocabulary_share(worded, vocabulary),
         "distinct_2": quality.distinct_n(worded, 2),
@@ -273,6 +284,7 @@ def measure(
 
 MEASURES = (
     "accuracy",
+    "topic_fidelity",
     "mauve",
     "vocabulary_share",
     "distinct_2",
@@ -333,16 +345,7 @@ def main(
     model = public.text_default_model(stages, config.model, log=log)
     data = topic_data(config)
     vocabulary = public_vocabulary(config)
-    gpt2_features = quality.gpt2_features(
-        model.model, model.tokenizer, max_tokens=model.context_length
-    )
-    known: dict[tuple[str, ...], np.ndarray] = {}  # the test sentences' features, computed once
-
-    def featurize(texts):
-        if tuple(texts) not in known:
-            known[tuple(texts)] = gpt2_features(texts)
-        return known[tuple(texts)]
-
+    featurize = _featurizer(model)
     rows, samples = [], []
     plan = [(m, e) for m in config.methods for e in config.epsilons]
     plan += [(r, None) for r in configs.REFERENCES]
@@ -354,15 +357,9 @@ def main(
                 run = private_run(
                     config, model, data, method, epsilon, seed, reproducible=reproducible
                 )
-            row = {
-                "method": method,
-                "target_epsilon": epsilon,
-                "seed": seed,
-                "epsilon": run["epsilon"],
-                "tokens": run["tokens"],
-                "seconds": run["seconds"],
-                **measure(config, run, data, vocabulary, featurize),
-            }
+            row = _row(
+                method, epsilon, seed, run, measure(config, run, data, vocabulary, featurize)
+            )
             rows.append(row)
             samples += [
                 {"method": method, "target_epsilon": epsilon, "seed": seed, "topic": t, "text": s}
@@ -371,17 +368,19 @@ def main(
             log(
                 f"seed {seed} {LABELS[method]}"
                 + ("" if epsilon is None else f" ε = {epsilon:g}")
-                + f": accuracy {row['accuracy']:.2f}, MAUVE {row['mauve']:.3f},"
-                f" ε spent {row['epsilon']:.3g}"
+                + f": accuracy {row['accuracy']:.2f}, fidelity {row['topic_fidelity']:.2f},"
+                f" MAUVE {row['mauve']:.3f}, ε spent {row['epsilon']:.3g}"
             )
     add_forward_ratios(rows)
-    test = [s for topic in config.topics for s in data[topic].test]
     results = {
         "config": dataclasses.asdict(config),
         "model": {
             "source": model.source,
             "heldout_perplexity": public.heldout_perplexity(
-                model.model, model.tokenizer, test, model.context_length
+                model.model,
+                model.tokenizer,
+                [s for topic in config.topics for s in data[topic].test],
+                model.context_length,
             ),
             "parameters": int(
                 sum(np.size(x) for x in jax.tree.leaves(nnx.state(model.model, nnx.Param)))
@@ -398,6 +397,81 @@ def main(
     print(markdown(config, results))
     if out is not None:
         write(out, config, results, samples)
+    return results
+
+
+def _featurizer(model: public.PublicTextModel):
+    """MAUVE's features from the public model, each set of texts featurized once."""
+    gpt2_features = quality.gpt2_features(
+        model.model, model.tokenizer, max_tokens=model.context_length
+    )
+    known: dict[tuple[str, ...], np.ndarray] = {}
+
+    def featurize(texts):
+        if tuple(texts) not in known:
+            known[tuple(texts)] = gpt2_features(texts)
+        return known[tuple(texts)]
+
+    return featurize
+
+
+def _row(method: str, epsilon: float | None, seed: int, run: dict, measures: dict) -> dict:
+    return {
+        "method": method,
+        "target_epsilon": epsilon,
+        "seed": seed,
+        "epsilon": run["epsilon"],
+        "tokens": run["tokens"],
+        "seconds": run["seconds"],
+        **measures,
+    }
+
+
+def rescore(config: configs.TextPeersConfig, out: pathlib.Path) -> dict:
+    """Recomputes every measure of the finished run in `out` from its samples.jsonl and the
+    generation records of its results.json (ε spent, tokens, seconds, teacher passes) without
+    generating again, and rewrites its results (the generating run's provenance is kept as
+    `generation_provenance`).
+
+    Raises:
+        ValueError: `out` holds no finished run, or one made with other settings.
+    """
+    if not (out / "results.json").is_file() or not (out / "samples.jsonl").is_file():
+        raise ValueError(f"{out} holds no finished run (results.json and samples.jsonl)")
+    stored = json.loads((out / "results.json").read_text())
+    mine = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    if {k: v for k, v in stored["config"].items() if k != "progress"} != {
+        k: v for k, v in mine.items() if k != "progress"
+    }:
+        raise ValueError(f"the run in {out} was made with other settings than these")
+    samples = [json.loads(line) for line in (out / "samples.jsonl").open()]
+    model = public.text_default_model(out / "stages", config.model)
+    data = topic_data(config)
+    vocabulary = public_vocabulary(config)
+    featurize = _featurizer(model)
+    rows = []
+    for old in stored["rows"]:
+        cell = (old["method"], old["target_epsilon"], old["seed"])
+        lines = [s for s in samples if (s["method"], s["target_epsilon"], s["seed"]) == cell]
+        run = {
+            "lines": [s["text"] for s in lines],
+            "labels": [s["topic"] for s in lines],
+            "epsilon": old["epsilon"],
+            "tokens": old["tokens"],
+            "seconds": old["seconds"],
+            "teacher_forward_passes": round(old["teacher_passes_per_token"] * old["tokens"]),
+        }
+        rows.append(_row(*cell, run, measure(config, run, data, vocabulary, featurize)))
+    add_forward_ratios(rows)
+    results = {
+        **stored,
+        "rows": rows,
+        "summary": summarise(rows),
+        "generation_provenance": stored.get("generation_provenance", stored["provenance"]),
+        "provenance": provenance(),
+    }
+    print(markdown(config, results))
+    write(out, config, results, samples)
     return results
 
 
@@ -418,9 +492,10 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
     lines = [
         f"# {TITLE}",
         "",
-        "| method | ε target | ε spent | downstream accuracy | MAUVE | words in public vocabulary"
-        " | distinct-2 | tokens/s | time / teachers' forward | teacher passes per token |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| method | ε target | ε spent | downstream accuracy | topic fidelity | MAUVE | words in"
+        " public vocabulary | distinct-2 | tokens/s | time / teachers' forward | teacher passes"
+        " per token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {m: i for i, m in enumerate((*config.methods, *configs.REFERENCES))}
     summary = sorted(
@@ -431,6 +506,7 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
         lines.append(
             f"| {LABELS[entry['method']]} | {_epsilon_label(entry)} |"
             f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'accuracy')} |"
+            f" {_cell(entry, 'topic_fidelity')} |"
             f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'vocabulary_share')} |"
             f" {_cell(entry, 'distinct_2')} | {entry['tokens_per_second']['mean']:.0f} |"
             f" {entry['time_vs_forward']['mean']:.2f} |"
@@ -449,6 +525,8 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
         " ε, the topics' disjoint data composing in parallel). Downstream accuracy: TF-IDF +"
         f" logistic regression trained on the synthetic lines, tested on {tests} real"
         " sentences of the other held-out articles (chance"
+        f" {1 / len(config.topics):.2f}); topic fidelity: the share of synthetic lines that the"
+        " same classifier trained on the real sentences assigns to their topic (chance"
         f" {1 / len(config.topics):.2f}); MAUVE against the same real sentences, features from"
         " the public model; words in public vocabulary: the share of generated words that"
         " occur in the public corpus. Time / teachers' forward: seconds per token"
@@ -474,10 +552,11 @@ def write(
 
 def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> None:
     """Utility against ε, one line per method, the ε = 0 and ε = ∞ references drawn across."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, name, label in (
         (axes[0], "accuracy", "downstream accuracy (real test sentences)"),
-        (axes[1], "mauve", "MAUVE against real sentences"),
+        (axes[1], "topic_fidelity", "topic fidelity (classifier trained on real)"),
+        (axes[2], "mauve", "MAUVE against real sentences"),
     ):
         for index, method in enumerate(config.methods):
             entries = sorted(
@@ -498,7 +577,8 @@ def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> 
             ax.axhline(entry[name]["mean"], color="k", linestyle=style, label=LABELS[which])
         ax.set(xscale="log", xlabel="ε (each topic's run; δ fixed)", ylabel=label)
         ax.set_xticks(config.epsilons, [f"{e:g}" for e in config.epsilons])
-    axes[0].axhline(1 / len(config.topics), color="0.6", linewidth=0.8, label="chance")
+    for ax in axes[:2]:
+        ax.axhline(1 / len(config.topics), color="0.6", linewidth=0.8, label="chance")
     axes[0].legend(fontsize=7)
     fig.suptitle(
         f"Topic-conditioned lines, {config.num_teachers} teachers per topic; error bars: std"
@@ -514,7 +594,11 @@ def cli(argv: list[str] | None = None) -> dict:
     parser = experiment_parser(
         "text_peers",
         __doc__.splitlines()[0],
-        examples=("--out runs/text_peers --reproducible", "--preset tiny --out runs/tiny"),
+        examples=(
+            "--out runs/text_peers --reproducible",
+            "--out runs/text_peers --rescore",
+            "--preset tiny --out runs/tiny",
+        ),
     )
     parser.add_argument(
         "--preset",
@@ -529,11 +613,19 @@ def cli(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="output folder: results.json, results.md, samples.jsonl, text_peers.png, stages/",
     )
+    parser.add_argument(
+        "--rescore",
+        action="store_true",
+        help="recompute the measures of the finished run in --out from its samples.jsonl, "
+        "without generating again",
+    )
     add_reproducible_flag(parser, seeds="--seeds")
     add_seeds_option(parser)
     add_quiet_flag(parser)
     args = parser.parse_args(argv)
     config = with_common_options(configs.get_config(args.preset), args)
+    if args.rescore:
+        return rescore(config, args.out)
     return main(config, args.out, reproducible=args.reproducible)
 
 

@@ -14,7 +14,7 @@ from experiments import text_peers
 from experiments.configs import text_peers as configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STORED = ROOT / "results" / "text_peers.json"
+STORED = ROOT / "docs" / "results" / "text_peers.json"
 
 
 def test_config_rejects_bad_settings():
@@ -61,6 +61,16 @@ def test_a_tiny_run_writes_the_table_plot_and_samples(tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").open()]
     assert len(samples) == len(rows) * config.lines_per_topic * len(config.topics)
     assert (tmp_path / "text_peers.png").stat().st_size > 10_000
+    # Rescoring from the stored samples recomputes the same measures, keeping the provenance.
+    rescored = text_peers.rescore(config, tmp_path)
+    for first, again in zip(rows, rescored["rows"], strict=True):
+        for name in (*text_peers.MEASURES, "epsilon"):
+            assert again[name] == first[name], name
+    assert rescored["generation_provenance"] == results["provenance"]
+    with pytest.raises(ValueError, match="other settings"):
+        text_peers.rescore(configs.TextPeersConfig(**{**vars(config), "seeds": (5,)}), tmp_path)
+    with pytest.raises(ValueError, match="no finished run"):
+        text_peers.rescore(config, tmp_path / "nothing")
     # The public model is stored under the run's stages and read back by the next run.
     (stored,) = (tmp_path / "stages").iterdir()
     assert stored.name == f"public_model-{config.model.key()}"
@@ -82,7 +92,7 @@ def test_the_stored_run_holds_every_method_epsilon_and_seed():
         if row["method"] in configs.PRIVATE_METHODS:
             assert row["epsilon"] <= row["target_epsilon"] * (1 + 1e-9)
     table = text_peers.markdown(configs.TextPeersConfig(**_config_fields(stored)), results)
-    assert table + "\n" == (ROOT / "results" / "text_peers.md").read_text()
+    assert table + "\n" == (ROOT / "docs" / "results" / "text_peers.md").read_text()
 
 
 def _config_fields(stored: dict) -> dict:
