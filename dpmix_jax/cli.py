@@ -50,6 +50,7 @@ EXPERIMENTS = {
     "adaptive_clipping": "adaptive vs fixed clip norms (C, 10C, C/10) in DP fine-tuning",
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
+    "text_peers": "Hot PATE vs InvisibleInk, Amin et al. 2024, PMixED: topic-conditioned text",
     "discrete_noise": "exact discrete noise for vote counts: sampler speed, ε vs continuous noise",
     "bench_grads": "per-example gradient throughput against non-private steps and Opacus",
 }
