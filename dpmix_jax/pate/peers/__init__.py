@@ -8,7 +8,8 @@ under the method's own analysis), a jitted per-token `step`, the method's privac
 `generate`, which decodes one text and returns a `PeerResult`.
 
 Modules: `invisibleink` (Vinod et al., NeurIPS 2025), `amin` (Amin et al. 2024, arXiv
-2407.12108) and `pmixed` (Flemings et al., NAACL 2024).
+2407.12108), `pmixed` (Flemings et al., NAACL 2024), `reference` (the ε = 0 and ε = ∞
+references), `decoding` (the token loop they share) and `result` (`PeerResult`).
 """
 
 from dpmix_jax.pate.peers.result import PeerResult

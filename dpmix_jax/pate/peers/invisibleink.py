@@ -50,9 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax.pate import generation
+from dpmix_jax.pate.peers import decoding
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
 
 __all__ = [
     "InvisibleInkConfig",
@@ -301,51 +301,46 @@ def generate(
             f"{config.num_teachers}; the analysis divides by the number of rows."
         )
     vocab_size = int(teachers.vocab_size)
-    stops = [tuple(int(t) for t in s) for s in stop_sequences]
-    if any(len(s) == 0 for s in stops):
-        raise ValueError("stop_sequences must not contain an empty sequence.")
-    seeded = key is not None
-    key = key if seeded else randomness.prng_key(randomness.secret_seed())
-    prefix = [int(t) for t in prompt]
-    tokens: list[int] = []
-    stop_reason = "max_new_tokens"
-    while len(tokens) < config.max_new_tokens:
-        public_logits = jnp.asarray(public_model(prefix + tokens), jnp.float32)
+
+    def next_token(key, prefix):
+        public_logits = jnp.asarray(public_model(prefix), jnp.float32)
         _check_public_logits(public_logits, vocab_size)
-        teacher_logits = jnp.asarray(teachers(prefix + tokens), jnp.float32)
+        teacher_logits = jnp.asarray(teachers(prefix), jnp.float32)
         if teacher_logits.shape != (config.num_teachers, vocab_size):
             raise ValueError(
                 f"teachers returned logits of shape {teacher_logits.shape}, expected "
                 f"{(config.num_teachers, vocab_size)}."
             )
-        key, sub = jax.random.split(key)
-        token = step(
-            sub,
+        return step(
+            key,
             teacher_logits,
             public_logits,
             clip_norm=config.clip_norm,
             temperature=config.temperature,
             top_k=config.top_k,
         )
-        tokens.append(int(token))
-        if eos_id is not None and tokens[-1] == eos_id:
-            stop_reason = "eos"
-            break
-        if any(tuple(tokens[-len(s) :]) == s for s in stops):
-            stop_reason = "stop_sequence"
-            break
+
+    decoded = decoding.decode(
+        next_token,
+        prompt=prompt,
+        key=key,
+        max_new_tokens=config.max_new_tokens,
+        eos_id=eos_id,
+        stop_sequences=stop_sequences,
+    )
+    tokens = decoded.tokens
     steps = len(tokens)
     return PeerResult(
         tokens=tokens,
         sources=["private"] * steps,
-        stop_reason=stop_reason,
+        stop_reason=decoded.stop_reason,
         event=dp_event(config, steps=steps),
         charges={"steps": steps},
         epsilon=epsilon(config, steps=steps),
         delta=config.delta,
         teacher_forward_passes=config.num_teachers * steps,
         public_forward_passes=steps,
-        seeded=seeded,
+        seeded=decoded.seeded,
     )
 
 

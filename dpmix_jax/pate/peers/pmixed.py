@@ -61,9 +61,9 @@ import jax.numpy as jnp
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmix_jax.pate import generation
+from dpmix_jax.pate.peers import decoding
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
 
 __all__ = [
     "ORDERS",
@@ -356,35 +356,31 @@ def generate(
             f"{teachers.num_teachers} teachers; calibrate for this ensemble."
         )
     delta = privacy.check_delta(delta)
-    stop_sequences = tuple(tuple(int(t) for t in s) for s in stop_sequences)
-    if any(len(s) == 0 for s in stop_sequences):
-        raise ValueError("stop_sequences must not contain an empty sequence.")
-    seeded = key is not None
-    key = key if seeded else randomness.prng_key(randomness.secret_seed())
-    prefix = [int(t) for t in prompt]
-    tokens: list[int] = []
-    stop_reason = "max_new_tokens"
-    while len(tokens) < config.max_new_tokens:
-        key, sub = jax.random.split(key)
-        teacher_logits = jnp.asarray(teachers(prefix + tokens), jnp.float32)
-        public_logits = jnp.asarray(public_model(prefix + tokens), jnp.float32)
-        tokens.append(int(step(sub, teacher_logits, public_logits, config=config)))
-        if eos_id is not None and tokens[-1] == eos_id:
-            stop_reason = "eos"
-            break
-        if any(tuple(tokens[-len(s) :]) == s for s in stop_sequences):
-            stop_reason = "stop_sequence"
-            break
+
+    def next_token(key, prefix):
+        teacher_logits = jnp.asarray(teachers(prefix), jnp.float32)
+        public_logits = jnp.asarray(public_model(prefix), jnp.float32)
+        return step(key, teacher_logits, public_logits, config=config)
+
+    decoded = decoding.decode(
+        next_token,
+        prompt=prompt,
+        key=key,
+        max_new_tokens=config.max_new_tokens,
+        eos_id=eos_id,
+        stop_sequences=stop_sequences,
+    )
+    tokens = decoded.tokens
     steps = len(tokens)
     return PeerResult(
         tokens=tokens,
         sources=["private"] * steps,
-        stop_reason=stop_reason,
+        stop_reason=decoded.stop_reason,
         event=dp_event(config, steps=steps),
         charges={"steps": steps},
         epsilon=epsilon(config, steps=steps, delta=delta),
         delta=delta,
         teacher_forward_passes=steps * config.num_teachers,
         public_forward_passes=steps,
-        seeded=seeded,
+        seeded=decoded.seeded,
     )
