@@ -66,6 +66,7 @@ import jax
 import jax.numpy as jnp
 
 from dpmix_jax.pate.generation import PublicModel, Teachers
+from dpmix_jax.pate.peers import decoding
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import randomness
@@ -412,13 +413,7 @@ def generate(
     Privacy: charges each private token `em_rho` and each sparse-vector run that made a query
     ε²/2 with ε = `svt_epsilon` (`dp_event`); public tokens are covered by their run.
     """
-    if not isinstance(teachers, Teachers):
-        raise ValueError("teachers must implement the Teachers protocol.")
-    if teachers.num_teachers != config.num_teachers:
-        raise ValueError(
-            f"config.num_teachers is {config.num_teachers} but the ensemble has "
-            f"{teachers.num_teachers} teachers; the accounting depends on n."
-        )
+    decoding.check_teachers(teachers, config.num_teachers)
     if config.uses_sparse_vector and public_model is None:
         raise ValueError("the sparse-vector test needs a public_model.")
     stop_sequences = [tuple(int(t) for t in s) for s in stop_sequences]

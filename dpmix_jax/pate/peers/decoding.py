@@ -7,10 +7,27 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from dpmix_jax.pate.generation import Teachers
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import randomness
 
-__all__ = ["Decoded", "decode"]
+__all__ = ["Decoded", "check_teachers", "decode"]
+
+
+def check_teachers(teachers: Teachers, num_teachers: int) -> None:
+    """Raises ValueError unless `teachers` is a `Teachers` ensemble of the n the config was
+    calibrated for (every peer's analysis divides by n).
+
+    Privacy: reads only the ensemble's size, which is public (fixed before the data is seen).
+    """
+    if not isinstance(teachers, Teachers):
+        raise ValueError("teachers must implement the Teachers protocol.")
+    if teachers.num_teachers != num_teachers:
+        raise ValueError(
+            f"config.num_teachers is {num_teachers} but the ensemble has "
+            f"{teachers.num_teachers} teachers; calibrate for this ensemble (the accounting "
+            "depends on n)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)

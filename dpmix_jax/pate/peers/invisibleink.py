@@ -293,13 +293,7 @@ def generate(
     Privacy:
         Reads the teachers only through `step`; each token costs ρ_tok (`per_token_rho`).
     """
-    if not isinstance(teachers, generation.Teachers):
-        raise ValueError("teachers must implement the Teachers protocol.")
-    if teachers.num_teachers != config.num_teachers:
-        raise ValueError(
-            f"teachers has {teachers.num_teachers} rows but config.num_teachers is "
-            f"{config.num_teachers}; the analysis divides by the number of rows."
-        )
+    decoding.check_teachers(teachers, config.num_teachers)
     vocab_size = int(teachers.vocab_size)
 
     def next_token(key, prefix):

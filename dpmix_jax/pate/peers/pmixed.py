@@ -348,13 +348,7 @@ def generate(
         Every token reads the teachers (sensitive) through `step` only and is charged
         `token_rdp(config)`; the report composes the tokens that ran.
     """
-    if not isinstance(teachers, generation.Teachers):
-        raise ValueError("teachers must implement the Teachers protocol.")
-    if teachers.num_teachers != config.num_teachers:
-        raise ValueError(
-            f"config.num_teachers = {config.num_teachers} but the ensemble holds "
-            f"{teachers.num_teachers} teachers; calibrate for this ensemble."
-        )
+    decoding.check_teachers(teachers, config.num_teachers)
     delta = privacy.check_delta(delta)
 
     def next_token(key, prefix):
