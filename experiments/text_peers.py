@@ -250,19 +250,12 @@ def measure(
     test_labels = [topic for topic in config.topics for _ in data[topic].test]
     texts = [line if quality.words(line) else "" for line in run["lines"]]
     worded = [t for t in texts if t]
+    labels = [label for t, label in zip(texts, run["labels"], strict=True) if t]
     downstream = quality.downstream_accuracy(
-        [t for t in texts if t],
-        [label for t, label in zip(texts, run["labels"], strict=True) if t],
-        test,
-        test_labels,
-        seed=config.mauve_seed,
+        worded, labels, test, test_labels, seed=config.mauve_seed
     )
     fidelity = quality.downstream_accuracy(
-        test,
-        test_labels,
-        worded,
-        [label for t, label in zip(texts, run["labels"], strict=True) if t],
-        seed=config.mauve_seed,
+        test, test_labels, worded, labels, seed=config.mauve_seed
     )
     mauve = quality.mauve_score(worded, test, featurize=featurize, seed=config.mauve_seed)
     return {
