@@ -87,30 +87,14 @@ def _at(values, thresholds, fraction_of_n: float, n: int):
 
 def _threshold_at_coverage(histograms, n: int, level: float = 0.2) -> float:
     """The largest T (on a fine grid) at which coverage is still >= `level` (0 if none)."""
-    grid = np.unique(np.round(np.geomspace(1, n, 64)))
-    cov = np.asarray(metrics.coverage(histograms, jnp.asarray(grid, jnp.float32)))
-    passing = grid[cov >= level]
-    return float(passing.max()) if passing.size else 0.0
+    return metrics.threshold_at_coverage(
+        histograms, level, np.unique(np.round(np.geomspace(1, n, 64)))
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # (a) Tunable diversity.
 # --------------------------------------------------------------------------------------------
-
-
-def diversity_logits(key, *, n, vocab, k, private_mass, heterogeneity, background_mass):
-    """Teacher logits: a secret set of k tokens shared by all, a private token per teacher."""
-    key_set, key_private, key_jitter = jax.random.split(key, 3)
-    order = jax.random.permutation(key_set, vocab)
-    secret, others = order[:k], order[k:]
-    private = others[jax.random.randint(key_private, (n,), 0, others.shape[0])]
-    shared_mass = 1.0 - private_mass - background_mass
-    logits = jnp.full((n, vocab), jnp.log(background_mass / vocab), jnp.float32)
-    jitter = heterogeneity * jax.random.normal(key_jitter, (n, k))
-    logits = logits.at[:, secret].set(jnp.log(shared_mass / k) + jitter)
-    if private_mass > 0:
-        logits = logits.at[jnp.arange(n), private].set(jnp.log(private_mass))
-    return logits
 
 
 def run_diversity(config: HotPateConfig, key) -> dict:
@@ -120,11 +104,11 @@ def run_diversity(config: HotPateConfig, key) -> dict:
         grid = metrics.threshold_grid(n)
         for k in cfg.set_sizes:
             key, key_logits, key_hist = jax.random.split(key, 3)
-            logits = diversity_logits(
+            logits, _ = diversity.secret_set_logits(
                 key_logits,
-                n=n,
-                vocab=cfg.vocab_size,
-                k=k,
+                num_teachers=n,
+                vocab_size=cfg.vocab_size,
+                set_size=k,
                 private_mass=cfg.private_mass,
                 heterogeneity=cfg.heterogeneity,
                 background_mass=cfg.background_mass,

@@ -51,6 +51,7 @@ __all__ = [
     "epsilon_of_steps",
     "gnmax_log_q",
     "log_pr_answered",
+    "max_steps",
     "rdp_data_dependent_gaussian",
     "rdp_to_epsilon",
 ]
@@ -162,6 +163,31 @@ def epsilon_of_steps(event: dp_accounting.DpEvent, *, steps: int, delta: float) 
     ledger = privacy.PrivacyLedger()
     ledger.record(event, privacy.check_steps(steps))
     return ledger.epsilon(delta)
+
+
+def max_steps(
+    event: dp_accounting.DpEvent, *, epsilon: float, delta: float, limit: int = 10**6
+) -> int:
+    """The most adaptive repetitions of `event` whose ε at `delta` stays <= `epsilon`.
+
+    Bisection over `epsilon_of_steps` (ε grows with the count); 0 when one repetition already
+    exceeds `epsilon`, `limit` when `limit` repetitions do not.
+    """
+    epsilon = privacy.check_epsilon(epsilon)
+    limit = privacy.check_steps(limit, "limit")
+
+    def fits(steps: int) -> bool:
+        return epsilon_of_steps(event, steps=steps, delta=delta) <= epsilon
+
+    if not fits(1):
+        return 0
+    if fits(limit):
+        return limit
+    low, high = 1, limit  # fits(low) and not fits(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 @dataclasses.dataclass

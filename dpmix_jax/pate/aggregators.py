@@ -33,6 +33,7 @@ __all__ = [
     "confident_gnmax",
     "dpargmax_laplace",
     "dpws",
+    "dpws_epsilon_at",
     "dpws_threshold",
     "targmax",
     "tws",
@@ -184,6 +185,18 @@ def dpws_threshold(epsilon: float, delta: float, *, discrete: bool = False) -> f
     while math.exp(-rate * steps) / (1 + math.exp(-rate)) > delta / 2:  # float rounding
         steps += 1
     return float(1 + steps)
+
+
+def dpws_epsilon_at(threshold: float, delta: float) -> float:
+    """The per-call ε whose (continuous) DPWS keep threshold is `threshold`: the inverse of
+    `dpws_threshold`, 2·ln(1/δ) / (T - 1), for T > 1.
+
+    This prices a threshold: an ensemble whose votes reach T can be aggregated by DPWS at this
+    ε (and no smaller one) without its keep threshold rising above T.
+    """
+    if not threshold > 1 or not 0 < delta < 1:
+        raise ValueError(f"need threshold > 1 and 0 < delta < 1, got {threshold!r}, {delta!r}.")
+    return 2.0 * math.log(1.0 / delta) / (threshold - 1.0)
 
 
 def dpws(

@@ -46,9 +46,12 @@ __all__ = [
     "OutputEstimate",
     "adversarial_ensembles",
     "attained",
+    "dpargmax_aggregator",
     "dpws_aggregator",
     "dpws_tau",
     "output_distribution",
+    "secret_set_logits",
+    "targmax_aggregator",
     "tws_aggregator",
 ]
 
@@ -67,16 +70,74 @@ def dpws_aggregator(epsilon: float, delta: float, gamma: float) -> Aggregate:
     """DPWS_{(ε,δ),γ} as a one-hot draw (index V = ⊥) of `aggregators.dpws`."""
 
     def draw(key, counts):
-        token = aggregators.dpws(key, counts, epsilon, delta, gamma)
-        vocab = counts.shape[0]
-        return jax.nn.one_hot(jnp.where(token < 0, vocab, token), vocab + 1)
+        return _one_hot(aggregators.dpws(key, counts, epsilon, delta, gamma), counts.shape[0])
 
     return draw
+
+
+def targmax_aggregator(threshold: float) -> Aggregate:
+    """TARGMAX_T as a one-hot draw (index V = ⊥) of `aggregators.targmax`."""
+
+    def draw(key, counts):
+        return _one_hot(aggregators.targmax(counts, threshold), counts.shape[0])
+
+    return draw
+
+
+def dpargmax_aggregator(threshold: float, epsilon: float) -> Aggregate:
+    """DPARGMAX_{ε,T} (Laplace) as a one-hot draw (index V = ⊥) of `dpargmax_laplace`."""
+
+    def draw(key, counts):
+        token = aggregators.dpargmax_laplace(key, counts, threshold, epsilon)
+        return _one_hot(token, counts.shape[0])
+
+    return draw
+
+
+def _one_hot(token: jax.Array, vocab: int) -> jax.Array:
+    return jax.nn.one_hot(jnp.where(token < 0, vocab, token), vocab + 1)
 
 
 def dpws_tau(epsilon: float, delta: float) -> float:
     """The theorem's τ = 4ε⁻¹·ln(1/δ) for DPWS_{(ε,δ)}."""
     return 4.0 / epsilon * np.log(1.0 / delta)
+
+
+def secret_set_logits(
+    key: jax.Array,
+    *,
+    num_teachers: int,
+    vocab_size: int,
+    set_size: int,
+    private_mass: float,
+    heterogeneity: float,
+    background_mass: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Tunable diversity with a known ground truth: a secret set of k tokens shared by all.
+
+    Every teacher puts `1 - private_mass - background_mass` on the k secret tokens (equal logits
+    plus a per-teacher N(0, heterogeneity²) jitter), `private_mass` on a private token of its own
+    and `background_mass` spread over the vocabulary.
+
+    Returns:
+        `(n, V)` float32 logits and the `(k,)` secret tokens.
+
+    Privacy:
+        Synthetic teachers; nothing sensitive.
+    """
+    key_set, key_private, key_jitter = jax.random.split(key, 3)
+    order = jax.random.permutation(key_set, vocab_size)
+    secret, others = order[:set_size], order[set_size:]
+    private = others[jax.random.randint(key_private, (num_teachers,), 0, others.shape[0])]
+    shared_mass = 1.0 - private_mass - background_mass
+    logits = jnp.full(
+        (num_teachers, vocab_size), jnp.log(background_mass / vocab_size), jnp.float32
+    )
+    jitter = heterogeneity * jax.random.normal(key_jitter, (num_teachers, set_size))
+    logits = logits.at[:, secret].set(jnp.log(shared_mass / set_size) + jitter)
+    if private_mass > 0:
+        logits = logits.at[jnp.arange(num_teachers), private].set(jnp.log(private_mass))
+    return logits, secret
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,7 @@
 * transferred support(T): how many tokens reach c_j >= T in at least one histogram;
 * yield of TARGMAX_T (Pr[max_j c_j >= T]) and of TWS_{T,γ} (E[min(1, γ·M_T/n)]);
 * maximum passing threshold with k tries: max over k histograms of max_j c_j;
+* the largest threshold at which coverage still reaches a level;
 * top-1 minus top-2 margin of each histogram.
 
 Examples:
@@ -24,6 +25,7 @@ __all__ = [
     "max_passing_threshold",
     "summarize",
     "targmax_yield",
+    "threshold_at_coverage",
     "threshold_grid",
     "top_margin",
     "transferred_support",
@@ -95,6 +97,26 @@ def max_passing_threshold(histograms: jax.Array, tries: int) -> tuple[float, flo
     best = top.max(axis=1).astype(float)
     stderr = float(best.std(ddof=1) / np.sqrt(groups)) if groups > 1 else 0.0
     return float(best.mean()), stderr
+
+
+def threshold_at_coverage(
+    histograms: jax.Array, level: float, thresholds: np.ndarray | None = None
+) -> float:
+    """The largest threshold T with coverage(T) >= `level` (0.0 if none reaches it).
+
+    Args:
+        histograms: `(r, V)` vote counts.
+        level: the coverage to reach, in (0, 1].
+        thresholds: candidate thresholds; None means every integer 1..n (exact).
+    """
+    histograms = _check(histograms)
+    if not 0 < level <= 1:
+        raise ValueError(f"level must be in (0, 1], got {level!r}.")
+    if thresholds is None:
+        thresholds = np.arange(1, int(jnp.sum(histograms[0])) + 1)
+    thresholds = np.asarray(thresholds, np.float64)
+    reached = np.asarray(coverage(histograms, jnp.asarray(thresholds, jnp.float32))) >= level
+    return float(thresholds[reached].max()) if reached.any() else 0.0
 
 
 @jax.jit

@@ -7,6 +7,7 @@
   a KV cache, and each call runs only the shared generated prefix's new tokens after it.
 * `TableTeachers`: synthetic teachers whose logits depend on the last token (a per-teacher Markov
   table), for tests and experiments that need a known ground truth.
+* `sampled_logits`: API-only teachers, whose distributions are known only through m samples each.
 
 All of them implement `dpmix_jax.pate.generation.Teachers`: `teachers(prefix) -> (n, V)` logits.
 """
@@ -24,7 +25,13 @@ from flax import nnx
 from dpmix_jax.models.gpt2 import GPT2
 from dpmix_jax.privacy.parts import UnitId, assign_parts
 
-__all__ = ["InContextTeachers", "TableTeachers", "build_prompts", "partition_records"]
+__all__ = [
+    "InContextTeachers",
+    "TableTeachers",
+    "build_prompts",
+    "partition_records",
+    "sampled_logits",
+]
 
 
 def partition_records(
@@ -224,3 +231,41 @@ class TableTeachers:
         """`(n, V)` logits given the last token of `prefix`."""
         last = int(prefix[-1]) if len(prefix) else self._start
         return self._table[:, last]
+
+
+def sampled_logits(
+    key: jax.Array, logits: jax.Array, num_samples: int, *, temperature: float = 1.0
+) -> jax.Array:
+    """API-only teachers: each distribution replaced by the empirical one of `num_samples` draws.
+
+    A teacher behind an API that returns sampled tokens, not its distribution, is known through
+    m answers to the same prompt; the samplers then run on the log-frequencies (-inf for tokens
+    never drawn). With m = 1 every teacher is a point mass at its one draw, so coordinated
+    sampling votes exactly that draw: the histogram of independent sampling. As m grows the
+    estimate approaches the teacher's distribution and coordination returns.
+
+    Args:
+        key: PRNG key of the m draws of every teacher.
+        logits: `(n, V)` the teachers' logits (what the API samples from).
+        num_samples: m >= 1 draws per teacher.
+        temperature: the API's sampling temperature.
+
+    Returns:
+        `(n, V)` float32 log empirical frequencies.
+
+    Privacy:
+        Each teacher's estimate depends on its own distribution only, so one teacher's data still
+        moves one vote of a histogram drawn from the estimates; the draws are internal (never
+        released) and their key need not be secret beyond the samplers' own.
+    """
+    if getattr(logits, "ndim", None) != 2:
+        raise ValueError(f"logits must have shape (n, V), got {getattr(logits, 'shape', None)}.")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}.")
+    n, vocab = logits.shape
+    draws = jax.random.categorical(key, logits / temperature, axis=-1, shape=(num_samples, n))
+    teachers = jnp.broadcast_to(jnp.arange(n), draws.shape)
+    counts = jnp.zeros((n, vocab), jnp.float32).at[teachers, draws].add(1.0)
+    return jnp.log(counts / num_samples)

@@ -1,0 +1,131 @@
+"""Settings of the Hot PATE paper's ablations (`experiments.hot_pate_ablations`).
+
+Command:
+    python -m experiments.hot_pate_ablations --out DIR --reproducible [--preset cpu|tiny]
+
+Four parts, all on synthetic teachers with a known ground truth (`pate.diversity`):
+
+(e) temperature: the secret-set ensembles of `experiments.hot_pate` (a) at n = 512, V = 2000,
+    k = 2 and 10, every teacher sampled at temperature t in {0.5, 0.75, 1, 1.5, 2}: coverage at
+    T = n/2, the largest T with coverage >= 0.2, and the share of the transferred votes that
+    fall on the secret tokens (the utility: votes on private or background tokens are noise),
+    coordinated against independent sampling, r = 1000 histograms each.
+(f) aggregators: TARGMAX, TWS, DPARGMAX (Laplace, ε = 1) and DPWS ((ε, δ) = (1, 1e-6)) on a
+    homogeneous ensemble (one secret set of k = 5 tokens shared by all 512 teachers) and on a
+    heterogeneous one (8 groups of sizes 128, 96, 80, 64, 48, 40, 32, 24, each group identical
+    teachers over its own 2 tokens): yield, the total variation distance between the output
+    given a yield and the teachers' average distribution, and the groups whose tokens come
+    out. Thresholds T = n/2 (homogeneous) and T = 12 (half the smallest group); 20,000 draws.
+(g) privacy cost: for the ensembles of (e) at t = 1 and k in {1, 2, 5, 10, 20, 50}, the largest
+    T at which coverage stays >= 0.2 for each sampler, priced by DPWS: the per-call ε whose keep
+    threshold is that T (δ = 1e-8 per call), the ε of 100 such calls and the calls that fit in
+    ε = 10 (dp-accounting's PLD composition at δ = 1e-6, plus the calls' δ), and DPWS's measured
+    yield at that ε.
+(h) API teachers: each teacher known only through m sampled answers (`teachers.sampled_logits`),
+    m in {1, 4, 16, 64, 256}, beside the exact distributions; coverage at T = n/2 and the
+    largest T with coverage >= 0.2 of coordinated sampling on the estimates.
+
+`tiny` runs every part at toy sizes (n = 64, V = 200, r = 200); the tests run it.
+The cpu preset's run time and results are in docs/generate.md, rebuilt from the stored run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["AblationsConfig", "get_config"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AblationsConfig:
+    """Public settings of the four ablations.
+
+    Attributes:
+        num_teachers: n of every ensemble.
+        vocab_size: V of the secret-set ensembles.
+        private_mass, heterogeneity, background_mass: the secret-set ensembles' shape
+            (`pate.diversity.secret_set_logits`).
+        num_histograms: r per setting of (e), (g) and (h).
+        coverage_level: the coverage the largest passing threshold must keep.
+        temperatures: the teachers' sampling temperatures of (e).
+        temperature_set_sizes: k of (e) and (h).
+        homogeneous_set_size: k of the homogeneous ensemble of (f).
+        group_sizes: teachers per group of the heterogeneous ensemble of (f) (sum = n).
+        aggregator_epsilon, aggregator_delta: DPARGMAX's ε and DPWS's (ε, δ) in (f).
+        aggregator_draws: draws per (ensemble, aggregator, sampler) in (f).
+        cost_set_sizes: k of (g).
+        call_delta: DPWS's δ per call in (g).
+        composition_delta: the composition's δ in (g) (each call's δ comes on top).
+        calls: how many calls (g) prices.
+        budget_epsilon: the ε within which (g) counts calls.
+        yield_draws: draws of DPWS's measured yield in (g).
+        api_samples: the m values of (h).
+        seed: seed of the ensembles and of every draw.
+        progress: print a line per setting.
+    """
+
+    num_teachers: int = 512
+    vocab_size: int = 2000
+    private_mass: float = 0.2
+    heterogeneity: float = 0.3
+    background_mass: float = 1e-3
+    num_histograms: int = 1000
+    coverage_level: float = 0.2
+    temperatures: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.0)
+    temperature_set_sizes: tuple[int, ...] = (2, 10)
+    homogeneous_set_size: int = 5
+    group_sizes: tuple[int, ...] = (128, 96, 80, 64, 48, 40, 32, 24)
+    aggregator_epsilon: float = 1.0
+    aggregator_delta: float = 1e-6
+    aggregator_draws: int = 20_000
+    cost_set_sizes: tuple[int, ...] = (1, 2, 5, 10, 20, 50)
+    call_delta: float = 1e-8
+    composition_delta: float = 1e-6
+    calls: int = 100
+    budget_epsilon: float = 10.0
+    yield_draws: int = 2000
+    api_samples: tuple[int, ...] = (1, 4, 16, 64, 256)
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.num_teachers < 16 or sum(self.group_sizes) != self.num_teachers:
+            raise ValueError(
+                f"num_teachers must be >= 16 and equal sum(group_sizes), got {self.num_teachers}"
+                f" and {sum(self.group_sizes)}."
+            )
+        if max((*self.temperature_set_sizes, *self.cost_set_sizes)) + 2 >= self.vocab_size:
+            raise ValueError("every set size must be < vocab_size - 2.")
+        if 2 * len(self.group_sizes) + self.homogeneous_set_size > self.vocab_size:
+            raise ValueError("the heterogeneous groups' tokens must fit in vocab_size.")
+        if not all(t > 0 for t in self.temperatures) or not self.temperatures:
+            raise ValueError(f"temperatures must be > 0, got {self.temperatures}.")
+        if not all(m >= 1 for m in self.api_samples) or not self.api_samples:
+            raise ValueError(f"api_samples must be >= 1, got {self.api_samples}.")
+        for name in ("num_histograms", "aggregator_draws", "calls", "yield_draws"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name} must be >= 2, got {getattr(self, name)}.")
+        for name in ("aggregator_delta", "call_delta", "composition_delta", "coverage_level"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}.")
+        if not self.aggregator_epsilon > 0 or not self.budget_epsilon > 0:
+            raise ValueError("aggregator_epsilon and budget_epsilon must be > 0.")
+
+
+def get_config(preset: str = "cpu") -> AblationsConfig:
+    """ "cpu" (the stored run) or "tiny" (every part at toy sizes, for the tests)."""
+    if preset == "cpu":
+        return AblationsConfig()
+    if preset == "tiny":
+        return AblationsConfig(
+            num_teachers=64,
+            vocab_size=200,
+            num_histograms=200,
+            temperatures=(0.5, 1.0, 2.0),
+            group_sizes=(24, 16, 12, 8, 4),
+            aggregator_draws=2000,
+            cost_set_sizes=(1, 10),
+            yield_draws=200,
+            api_samples=(1, 16),
+        )
+    raise ValueError(f"preset must be 'cpu' or 'tiny', got {preset!r}.")

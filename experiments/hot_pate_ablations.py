@@ -1,0 +1,547 @@
+"""Hot PATE's ablations: teacher temperature, aggregators, privacy cost, API-only teachers.
+
+(e) Temperature: the hotter the teachers, the more diverse their votes; independent histograms
+    then flatten below any useful threshold while coordinated ones keep their peaks.
+(f) Aggregators: TARGMAX against TWS (and their DP versions) on a homogeneous ensemble, where
+    the argmax of a coordinated histogram already follows the teachers' average, and on a
+    heterogeneous one (disjoint groups), where only weighted sampling reaches the small groups.
+(g) Privacy cost: the largest threshold each sampler's histograms pass at a given coverage,
+    priced by DPWS: per-call ε, ε of a fixed number of calls, calls within a budget.
+(h) API-only teachers: distributions estimated from m sampled answers each; m = 1 is
+    independent sampling in disguise, coordination returns as m grows.
+
+All teachers are synthetic with a known ground truth; nothing here reads sensitive data. The
+draws are seeded by the config's seed with `--reproducible`, otherwise secret.
+
+Command and settings: see `experiments/configs/hot_pate_ablations.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dpmix_jax.pate import accounting, aggregators, diversity, metrics, samplers  # noqa: E402
+from dpmix_jax.pate.teachers import sampled_logits  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
+from experiments.common_args import (  # noqa: E402
+    add_quiet_flag,
+    add_reproducible_flag,
+    add_seeds_option,
+    experiment_main,
+    experiment_parser,
+    with_common_options,
+)
+from experiments.configs import hot_pate_ablations as configs  # noqa: E402
+
+TITLE = "Hot PATE ablations: temperature, aggregators, privacy cost, API-only teachers"
+SAMPLERS = ("coordinated", "independent")
+AGGREGATORS = ("TARGMAX", "TWS", "DPARGMAX", "DPWS")
+
+
+def _histograms(sampler: str, key: jax.Array, logits: jax.Array, r: int, temperature=1.0):
+    draw = (
+        samplers.coordinated_histograms
+        if sampler == "coordinated"
+        else samplers.independent_histograms
+    )
+    return draw(key, logits, r, temperature=temperature, batch_size=256)
+
+
+def _ensemble(config: configs.AblationsConfig, key: jax.Array, set_size: int):
+    return diversity.secret_set_logits(
+        key,
+        num_teachers=config.num_teachers,
+        vocab_size=config.vocab_size,
+        set_size=set_size,
+        private_mass=config.private_mass,
+        heterogeneity=config.heterogeneity,
+        background_mass=config.background_mass,
+    )
+
+
+def secret_share(histograms: jax.Array, secret: jax.Array, threshold: float) -> float | None:
+    """The share of the votes on tokens with >= T votes that fall on the secret tokens (pooled
+    over histograms); None when no token reaches T."""
+    counts = np.asarray(histograms)
+    passing = np.where(counts >= threshold, counts, 0)
+    total = passing.sum()
+    return None if total == 0 else float(passing[:, np.asarray(secret)].sum() / total)
+
+
+def _histogram_row(config, histograms, secret) -> dict:
+    n = config.num_teachers
+    level = config.coverage_level
+    threshold = metrics.threshold_at_coverage(histograms, level)
+    half = float(metrics.coverage(histograms, jnp.asarray([n / 2]))[0])
+    row = {"coverage_at_half": half, "threshold": threshold}
+    if secret is not None:
+        row["secret_share"] = secret_share(histograms, secret, threshold) if threshold else None
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# (e) Temperature.
+# --------------------------------------------------------------------------------------------
+
+
+def run_temperature(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
+    rows = []
+    for k in config.temperature_set_sizes:
+        key, key_logits = jax.random.split(key)
+        logits, secret = _ensemble(config, key_logits, k)
+        for temperature in config.temperatures:
+            key, key_hist = jax.random.split(key)
+            row = {"k": k, "temperature": temperature}
+            for sampler in SAMPLERS:
+                hist = _histograms(sampler, key_hist, logits, config.num_histograms, temperature)
+                row[sampler] = _histogram_row(config, hist, secret)
+            rows.append(row)
+            log(
+                f"(e) k = {k}, t = {temperature:g}: T at coverage {config.coverage_level:g}"
+                f" coordinated {row['coordinated']['threshold']:.0f},"
+                f" independent {row['independent']['threshold']:.0f}"
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# (f) Aggregators on homogeneous and heterogeneous ensembles.
+# --------------------------------------------------------------------------------------------
+
+
+def group_ensemble(group_sizes: tuple[int, ...]) -> np.ndarray:
+    """Disjoint groups: every teacher of group g gives 0.6 to token 2g and 0.4 to token 2g + 1."""
+    probs = np.zeros((sum(group_sizes), 2 * len(group_sizes)))
+    group = np.repeat(np.arange(len(group_sizes)), group_sizes)
+    probs[np.arange(probs.shape[0]), 2 * group] = 0.6
+    probs[np.arange(probs.shape[0]), 2 * group + 1] = 0.4
+    return probs
+
+
+def _aggregator(name: str, config: configs.AblationsConfig, threshold: float):
+    if name == "TARGMAX":
+        return diversity.targmax_aggregator(threshold)
+    if name == "TWS":
+        return diversity.tws_aggregator(threshold, 1.0)
+    if name == "DPARGMAX":
+        return diversity.dpargmax_aggregator(threshold, config.aggregator_epsilon)
+    return diversity.dpws_aggregator(config.aggregator_epsilon, config.aggregator_delta, 1.0)
+
+
+def total_variation_given_yield(output: np.ndarray, reference: np.ndarray) -> float | None:
+    """TV distance between the output law given a token (last entry of `output` is ⊥) and the
+    `reference` law over the vocabulary; None when nothing is ever output."""
+    yielded = 1.0 - output[-1]
+    if yielded <= 0:
+        return None
+    return float(0.5 * np.abs(output[:-1] / yielded - reference).sum())
+
+
+def run_aggregators(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
+    key, key_logits = jax.random.split(key)
+    logits, secret = _ensemble(config, key_logits, config.homogeneous_set_size)
+    homogeneous = np.asarray(jax.nn.softmax(logits.astype(jnp.float64), axis=-1), np.float64)
+    homogeneous /= homogeneous.sum(axis=1, keepdims=True)
+    shared = np.zeros(config.vocab_size)
+    shared[np.asarray(secret)] = homogeneous[:, np.asarray(secret)].mean(axis=0)
+    heterogeneous = group_ensemble(config.group_sizes)
+    cases = (
+        ("homogeneous", homogeneous, shared / shared.sum(), config.num_teachers / 2),
+        ("heterogeneous", heterogeneous, heterogeneous.mean(axis=0), min(config.group_sizes) / 2),
+    )
+    rows = []
+    for ensemble, probs, reference, threshold in cases:
+        for name in AGGREGATORS:
+            for sampler in SAMPLERS:
+                key, key_draws = jax.random.split(key)
+                estimate = diversity.output_distribution(
+                    key_draws,
+                    probs,
+                    sampler=sampler,
+                    aggregator=_aggregator(name, config, threshold),
+                    num_draws=config.aggregator_draws,
+                )
+                output = estimate.probs
+                row = {
+                    "ensemble": ensemble,
+                    "aggregator": name,
+                    "sampler": sampler,
+                    "threshold": None if name == "DPWS" else threshold,
+                    "yield": float(1.0 - output[-1]),
+                    "total_variation": total_variation_given_yield(output, reference),
+                    "tokens_out": int((output[:-1] * config.aggregator_draws >= 1).sum()),
+                }
+                if ensemble == "heterogeneous":
+                    row["groups_transferred"] = groups_transferred(output, config.group_sizes)
+                rows.append(row)
+                log(
+                    f"(f) {ensemble} {name} {sampler}: yield {row['yield']:.2f},"
+                    f" TV {_number(row['total_variation'], 3)}"
+                )
+    return rows
+
+
+def groups_transferred(output: np.ndarray, group_sizes: tuple[int, ...]) -> int:
+    """Groups whose tokens come out, given a yield, with at least half their share of teachers."""
+    yielded = 1.0 - output[-1]
+    if yielded <= 0:
+        return 0
+    per_group = output[:-1].reshape(len(group_sizes), 2).sum(axis=1) / yielded
+    share = np.asarray(group_sizes) / sum(group_sizes)
+    return int((per_group >= 0.5 * share).sum())
+
+
+# --------------------------------------------------------------------------------------------
+# (g) Privacy cost at equal coverage.
+# --------------------------------------------------------------------------------------------
+
+
+def price_threshold(config: configs.AblationsConfig, threshold: float) -> dict:
+    """DPWS's cost of aggregating at keep threshold T: per call, of `calls` calls, and the calls
+    that fit in `budget_epsilon` (dp-accounting PLD; each call's δ added on top)."""
+    if threshold <= 1:
+        return {"epsilon_per_call": None, "epsilon_of_calls": None, "calls_in_budget": 0}
+    per_call = aggregators.dpws_epsilon_at(threshold, config.call_delta)
+    event = accounting.dpws_event(per_call)
+    return {
+        "epsilon_per_call": per_call,
+        "epsilon_of_calls": accounting.epsilon_of_steps(
+            event, steps=config.calls, delta=config.composition_delta
+        ),
+        "calls_in_budget": accounting.max_steps(
+            event, epsilon=config.budget_epsilon, delta=config.composition_delta
+        ),
+    }
+
+
+def run_privacy_cost(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
+    rows = []
+    for k in config.cost_set_sizes:
+        key, key_logits, key_hist = jax.random.split(key, 3)
+        logits, secret = _ensemble(config, key_logits, k)
+        probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float64), axis=-1), np.float64)
+        probs /= probs.sum(axis=1, keepdims=True)
+        row = {"k": k}
+        for sampler in SAMPLERS:
+            hist = _histograms(sampler, key_hist, logits, config.num_histograms)
+            threshold = metrics.threshold_at_coverage(hist, config.coverage_level)
+            cost = price_threshold(config, threshold)
+            measured = None
+            if cost["epsilon_per_call"] is not None:
+                key, key_yield = jax.random.split(key)
+                estimate = diversity.output_distribution(
+                    key_yield,
+                    probs,
+                    sampler=sampler,
+                    aggregator=diversity.dpws_aggregator(
+                        cost["epsilon_per_call"], config.call_delta, 1.0
+                    ),
+                    num_draws=config.yield_draws,
+                )
+                measured = float(1.0 - estimate.probs[-1])
+            row[sampler] = {"threshold": threshold, **cost, "dpws_yield": measured}
+        rows.append(row)
+        hot, cold = row["coordinated"], row["independent"]
+        log(
+            f"(g) k = {k}: T {hot['threshold']:.0f} vs {cold['threshold']:.0f}; calls within"
+            f" ε = {config.budget_epsilon:g}: {hot['calls_in_budget']} vs {cold['calls_in_budget']}"
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# (h) API-only teachers.
+# --------------------------------------------------------------------------------------------
+
+
+def run_api_teachers(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
+    rows = []
+    for k in config.temperature_set_sizes:
+        key, key_logits, key_hist = jax.random.split(key, 3)
+        logits, secret = _ensemble(config, key_logits, k)
+        cases = [(m, "coordinated") for m in config.api_samples]
+        cases += [(None, "coordinated"), (None, "independent")]
+        for m, sampler in cases:
+            key, key_answers = jax.random.split(key)
+            estimate = logits if m is None else sampled_logits(key_answers, logits, m)
+            hist = _histograms(sampler, key_hist, estimate, config.num_histograms)
+            row = {"k": k, "samples": m, "sampler": sampler}
+            row.update(_histogram_row(config, hist, secret))
+            rows.append(row)
+            log(
+                f"(h) k = {k}, m = {m or 'exact'} {sampler}: coverage at n/2"
+                f" {row['coverage_at_half']:.2f}, T {row['threshold']:.0f}"
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# The run and its report.
+# --------------------------------------------------------------------------------------------
+
+PARTS = {
+    "temperature": run_temperature,
+    "aggregators": run_aggregators,
+    "privacy_cost": run_privacy_cost,
+    "api_teachers": run_api_teachers,
+}
+
+
+def main(
+    config: configs.AblationsConfig,
+    out: pathlib.Path | None = None,
+    *,
+    reproducible: bool = False,
+) -> dict:
+    """Runs the four parts; returns (and, with `out`, writes) the results."""
+    start = time.time()
+
+    def log(message: str) -> None:
+        if config.progress:
+            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+
+    key = randomness.prng_key(config.seed if reproducible else randomness.secret_seed())
+    results: dict = {"config": dataclasses.asdict(config)}
+    for (name, run), part_key in zip(PARTS.items(), jax.random.split(key, len(PARTS)), strict=True):
+        part_start = time.time()
+        results[name] = run(config, part_key, log)
+        results.setdefault("part_seconds", {})[name] = time.time() - part_start
+    results.update(noise_seeded=reproducible, seconds=time.time() - start, provenance=provenance())
+    print(markdown(config, results))
+    if out is not None:
+        write(out, config, results)
+    return results
+
+
+def _number(value: float | None, digits: int = 2, missing: str = "-") -> str:
+    return missing if value is None else f"{value:.{digits}f}"
+
+
+def _epsilon(value: float | None) -> str:
+    return "no ε" if value is None else f"{value:.3g}"
+
+
+def markdown(config: configs.AblationsConfig, results: dict) -> str:
+    """The four tables and their settings as a titled markdown page."""
+    n, level = config.num_teachers, config.coverage_level
+    lines = [
+        f"# {TITLE}",
+        "",
+        f"(e) Teacher temperature: coverage at T = n/2, the largest T with coverage >= {level:g},"
+        " and the share of the votes passing that T that fall on the secret tokens.",
+        "",
+        "| k | t | coverage at n/2 coord. | indep. | T at coverage coord. | indep. | secret share"
+        " coord. | indep. |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["temperature"]:
+        hot, cold = row["coordinated"], row["independent"]
+        lines.append(
+            f"| {row['k']} | {row['temperature']:g} | {hot['coverage_at_half']:.2f} |"
+            f" {cold['coverage_at_half']:.2f} | {hot['threshold']:.0f} | {cold['threshold']:.0f}"
+            f" | {_number(hot['secret_share'])} | {_number(cold['secret_share'])} |"
+        )
+    lines += [
+        "",
+        "(f) Aggregators: yield, total variation between the output given a yield and the"
+        " teachers' average over the shared tokens, and tokens output (heterogeneous: groups"
+        f" transferred of {len(config.group_sizes)}).",
+        "",
+        "| ensemble | aggregator | T | yield coord. | indep. | TV coord. | indep. | tokens coord."
+        " | indep. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = results["aggregators"]
+    for first in (r for r in rows if r["sampler"] == "coordinated"):
+        second = next(
+            r
+            for r in rows
+            if (r["ensemble"], r["aggregator"]) == (first["ensemble"], first["aggregator"])
+            and r["sampler"] == "independent"
+        )
+
+        def tokens(row):
+            if "groups_transferred" in row:
+                return f"{row['tokens_out']} ({row['groups_transferred']} groups)"
+            return str(row["tokens_out"])
+
+        threshold = "τ_DP" if first["threshold"] is None else f"{first['threshold']:g}"
+        lines.append(
+            f"| {first['ensemble']} | {first['aggregator']} | {threshold} | {first['yield']:.2f}"
+            f" | {second['yield']:.2f} | {_number(first['total_variation'], 3)} |"
+            f" {_number(second['total_variation'], 3)} | {tokens(first)} | {tokens(second)} |"
+        )
+    lines += [
+        "",
+        f"(g) Privacy cost at coverage {level:g}: the largest T each sampler passes, priced by"
+        f" DPWS (δ = {config.call_delta:g} per call): per-call ε, the ε of {config.calls} calls,"
+        f" the calls within ε = {config.budget_epsilon:g}, and DPWS's measured yield at that"
+        " per-call ε.",
+        "",
+        f"| k | T coord. | indep. | ε per call coord. | indep. | ε of {config.calls} calls coord."
+        f" | indep. | calls in ε = {config.budget_epsilon:g} coord. | indep. | DPWS yield coord."
+        " | indep. |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["privacy_cost"]:
+        hot, cold = row["coordinated"], row["independent"]
+        lines.append(
+            f"| {row['k']} | {hot['threshold']:.0f} | {cold['threshold']:.0f} |"
+            f" {_epsilon(hot['epsilon_per_call'])} | {_epsilon(cold['epsilon_per_call'])} |"
+            f" {_epsilon(hot['epsilon_of_calls'])} | {_epsilon(cold['epsilon_of_calls'])} |"
+            f" {hot['calls_in_budget']} | {cold['calls_in_budget']} |"
+            f" {_number(hot['dpws_yield'])} | {_number(cold['dpws_yield'])} |"
+        )
+    lines += [
+        "",
+        "(h) API-only teachers known through m sampled answers each: coordinated sampling on the"
+        " estimates, beside the exact distributions.",
+        "",
+        f"| k | teachers | sampler | coverage at n/2 | T at coverage {level:g} | secret share |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["api_teachers"]:
+        what = "exact" if row["samples"] is None else f"m = {row['samples']}"
+        lines.append(
+            f"| {row['k']} | {what} | {row['sampler']} | {row['coverage_at_half']:.2f} |"
+            f" {row['threshold']:.0f} | {_number(row['secret_share'])} |"
+        )
+    groups = ", ".join(str(g) for g in config.group_sizes)
+    lines += [
+        "",
+        f"Setting: n = {n} teachers. Secret-set ensembles (e, g, h; V = {config.vocab_size}):"
+        f" {1 - config.private_mass - config.background_mass:g} of each teacher's mass on k"
+        f" shared secret tokens (logit jitter {config.heterogeneity:g}), {config.private_mass:g}"
+        f" on a private token of its own, {config.background_mass:g} spread over V;"
+        f" r = {config.num_histograms} histograms per setting. (f): homogeneous = k ="
+        f" {config.homogeneous_set_size} secret tokens shared by all, T = n/2; heterogeneous ="
+        f" groups of {groups} identical teachers, each over its own 2 tokens (0.6, 0.4),"
+        f" T = {min(config.group_sizes) / 2:g}; DPARGMAX at ε = {config.aggregator_epsilon:g},"
+        f" DPWS at (ε, δ) = ({config.aggregator_epsilon:g}, {config.aggregator_delta:g}),"
+        f" {config.aggregator_draws} draws each. (g): ε composed by dp-accounting's PLD"
+        f" accountant at δ = {config.composition_delta:g}, each call's δ added on top; 'no ε':"
+        " coverage needs T = 1, which no DPWS reaches.",
+        SEEDED_NOTE if results.get("noise_seeded") else "Draws secret.",
+    ]
+    return "\n".join(lines)
+
+
+def write(out: pathlib.Path, config: configs.AblationsConfig, results: dict) -> None:
+    """Writes results.json, results.md and hot_pate_ablations.png under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(markdown(config, results) + "\n")
+    plot(out / "hot_pate_ablations.png", config, results)
+
+
+def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> None:
+    """T at coverage vs temperature, calls within the budget vs k, coverage vs m."""
+    fig, (temp_ax, cost_ax, api_ax) = plt.subplots(1, 3, figsize=(15, 4.5))
+    styles = {"coordinated": "-", "independent": "--"}
+    for index, k in enumerate(config.temperature_set_sizes):
+        rows = [r for r in results["temperature"] if r["k"] == k]
+        for sampler, style in styles.items():
+            temp_ax.plot(
+                [r["temperature"] for r in rows],
+                [r[sampler]["threshold"] for r in rows],
+                style,
+                marker="o",
+                color=f"C{index}",
+                label=f"k = {k}, {sampler}",
+            )
+    temp_ax.set(
+        xlabel="teacher temperature t",
+        ylabel=f"largest T with coverage >= {config.coverage_level:g}",
+    )
+    temp_ax.legend(fontsize=8)
+    cost = results["privacy_cost"]
+    for sampler, style in styles.items():
+        cost_ax.plot(
+            [r["k"] for r in cost],
+            [max(r[sampler]["calls_in_budget"], 0.5) for r in cost],
+            style,
+            marker="o",
+            color="k",
+            label=sampler,
+        )
+    cost_ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="k (secret tokens)",
+        ylabel=f"DPWS calls within ε = {config.budget_epsilon:g} (0 drawn at 0.5)",
+    )
+    cost_ax.legend(fontsize=8)
+    for index, k in enumerate(config.temperature_set_sizes):
+        rows = [r for r in results["api_teachers"] if r["k"] == k]
+        sampled = [r for r in rows if r["samples"] is not None]
+        api_ax.plot(
+            [r["samples"] for r in sampled],
+            [r["coverage_at_half"] for r in sampled],
+            marker="o",
+            color=f"C{index}",
+            label=f"k = {k}, m answers",
+        )
+        for row in rows:
+            if row["samples"] is None:
+                api_ax.axhline(
+                    row["coverage_at_half"],
+                    color=f"C{index}",
+                    linestyle=styles[row["sampler"]],
+                    linewidth=0.8,
+                    label=f"k = {k}, exact, {row['sampler']}",
+                )
+    api_ax.set(xscale="log", xlabel="answers per teacher m", ylabel="coverage at T = n/2")
+    api_ax.legend(fontsize=7)
+    fig.suptitle(
+        f"Hot PATE ablations, n = {config.num_teachers} synthetic teachers;"
+        f" r = {config.num_histograms} histograms per point",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cli(argv: list[str] | None = None) -> dict:
+    parser = experiment_parser(
+        "hot_pate_ablations",
+        __doc__.splitlines()[0],
+        examples=("--out runs/hot_pate_ablations --reproducible", "--preset tiny --out runs/tiny"),
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        choices=("cpu", "tiny"),
+        help="cpu: n = 512 teachers, V = 2000, r = 1000; tiny: a test run",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs/hot_pate_ablations"),
+        metavar="DIR",
+        help="output folder: results.json, results.md, hot_pate_ablations.png",
+    )
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser, single=True)
+    add_quiet_flag(parser)
+    args = parser.parse_args(argv)
+    config = with_common_options(configs.get_config(args.preset), args)
+    return main(config, args.out, reproducible=args.reproducible)
+
+
+if __name__ == "__main__":
+    with experiment_main("hot_pate_ablations"):
+        cli()
