@@ -51,6 +51,7 @@ EXPERIMENTS = {
     "audit": "canary audits of every release (many runs, one run) and a tightness check",
     "hot_pate": "Hot PATE: coordinated vs independent ensembles, private generation",
     "text_peers": "Hot PATE vs InvisibleInk, Amin et al. 2024, PMixED: topic-conditioned text",
+    "hot_pate_ablations": "Hot PATE: temperature, TARGMAX vs TWS, privacy cost, API-only teachers",
     "discrete_noise": "exact discrete noise for vote counts: sampler speed, ε vs continuous noise",
     "bench_grads": "per-example gradient throughput against non-private steps and Opacus",
 }

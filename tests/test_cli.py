@@ -121,7 +121,12 @@ def test_help_shows_every_option_with_its_default(argv, prog, monkeypatch, capsy
 
 
 # The options that mean the same in every command; an experiment lacks one only for a reason.
-ONE_SEED = {"audit", "discrete_noise", "hot_pate"}  # one run, from the config's `seed`
+ONE_SEED = {
+    "audit",
+    "discrete_noise",
+    "hot_pate",
+    "hot_pate_ablations",
+}  # one run, from the config's `seed`
 NO_SEEDS = {"bench_grads"}  # fixed keys: a timing benchmark, no repetitions, nothing private
 NOT_REPRODUCIBLE = {"audit", "bench_grads"}  # their randomness is always seeded
 NO_OUT = {"quickstart"}  # prints its results, writes nothing
