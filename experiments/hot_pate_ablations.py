@@ -72,6 +72,13 @@ def _ensemble(config: configs.AblationsConfig, key: jax.Array, set_size: int):
     )
 
 
+def _probabilities(logits: jax.Array) -> np.ndarray:
+    """softmax(logits) per teacher in float64 (rows summing to 1 for `output_distribution`)."""
+    logits = np.asarray(logits, np.float64)
+    weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return weights / weights.sum(axis=1, keepdims=True)
+
+
 def secret_share(histograms: jax.Array, secret: jax.Array, threshold: float) -> float | None:
     """The share of the votes on tokens with >= T votes that fall on the secret tokens (pooled
     over histograms); None when no token reaches T."""
@@ -153,8 +160,7 @@ def total_variation_given_yield(output: np.ndarray, reference: np.ndarray) -> fl
 def run_aggregators(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
     key, key_logits = jax.random.split(key)
     logits, secret = _ensemble(config, key_logits, config.homogeneous_set_size)
-    homogeneous = np.asarray(jax.nn.softmax(logits.astype(jnp.float64), axis=-1), np.float64)
-    homogeneous /= homogeneous.sum(axis=1, keepdims=True)
+    homogeneous = _probabilities(logits)
     shared = np.zeros(config.vocab_size)
     shared[np.asarray(secret)] = homogeneous[:, np.asarray(secret)].mean(axis=0)
     heterogeneous = group_ensemble(config.group_sizes)
@@ -232,8 +238,7 @@ def run_privacy_cost(config: configs.AblationsConfig, key: jax.Array, log) -> li
     for k in config.cost_set_sizes:
         key, key_logits, key_hist = jax.random.split(key, 3)
         logits, secret = _ensemble(config, key_logits, k)
-        probs = np.asarray(jax.nn.softmax(logits.astype(jnp.float64), axis=-1), np.float64)
-        probs /= probs.sum(axis=1, keepdims=True)
+        probs = _probabilities(logits)
         row = {"k": k}
         for sampler in SAMPLERS:
             hist = _histograms(sampler, key_hist, logits, config.num_histograms)
