@@ -145,7 +145,17 @@ def _aggregator(name: str, config: configs.AblationsConfig, threshold: float):
         return diversity.tws_aggregator(threshold, 1.0)
     if name == "DPARGMAX":
         return diversity.dpargmax_aggregator(threshold, config.aggregator_epsilon)
-    return diversity.dpws_aggregator(config.aggregator_epsilon, config.aggregator_delta, 1.0)
+    return diversity.dpws_aggregator(
+        config.aggregator_epsilon, config.aggregator_delta, 1.0, threshold=threshold
+    )
+
+
+def _keep_threshold(name: str, config: configs.AblationsConfig, threshold: float) -> float:
+    """The count a token needs: DPWS never keeps one below its stability threshold."""
+    if name != "DPWS":
+        return threshold
+    stable = aggregators.dpws_threshold(config.aggregator_epsilon, config.aggregator_delta)
+    return max(threshold, stable)
 
 
 def total_variation_given_yield(output: np.ndarray, reference: np.ndarray) -> float | None:
@@ -185,7 +195,7 @@ def run_aggregators(config: configs.AblationsConfig, key: jax.Array, log) -> lis
                     "ensemble": ensemble,
                     "aggregator": name,
                     "sampler": sampler,
-                    "threshold": None if name == "DPWS" else threshold,
+                    "threshold": _keep_threshold(name, config, threshold),
                     "yield": float(1.0 - output[-1]),
                     "total_variation": total_variation_given_yield(output, reference),
                     "tokens_out": int((output[:-1] * config.aggregator_draws >= 1).sum()),
@@ -383,7 +393,7 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
                 return f"{row['tokens_out']} ({row['groups_transferred']} groups)"
             return str(row["tokens_out"])
 
-        threshold = "τ_DP" if first["threshold"] is None else f"{first['threshold']:g}"
+        threshold = f"{first['threshold']:.3g}"
         lines.append(
             f"| {first['ensemble']} | {first['aggregator']} | {threshold} | {first['yield']:.2f}"
             f" | {second['yield']:.2f} | {_number(first['total_variation'], 3)} |"
@@ -435,7 +445,8 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
         f" {config.homogeneous_set_size} secret tokens shared by all, T = n/2; heterogeneous ="
         f" groups of {groups} identical teachers, each over its own 2 tokens (0.6, 0.4),"
         f" T = {min(config.group_sizes) / 2:g}; DPARGMAX at ε = {config.aggregator_epsilon:g},"
-        f" DPWS at (ε, δ) = ({config.aggregator_epsilon:g}, {config.aggregator_delta:g}),"
+        f" DPWS at (ε, δ) = ({config.aggregator_epsilon:g}, {config.aggregator_delta:g}) keeping"
+        " noisy counts above T or its stability threshold, whichever is larger,"
         f" {config.aggregator_draws} draws each. (g): ε composed by dp-accounting's PLD"
         f" accountant at δ = {config.composition_delta:g}, each call's δ added on top; 'no ε':"
         " coverage needs T = 1, which no DPWS reaches.",

@@ -66,11 +66,15 @@ def tws_aggregator(threshold: float, gamma: float) -> Aggregate:
     return lambda key, counts: aggregators.tws_probabilities(counts, threshold, gamma)
 
 
-def dpws_aggregator(epsilon: float, delta: float, gamma: float) -> Aggregate:
-    """DPWS_{(ε,δ),γ} as a one-hot draw (index V = ⊥) of `aggregators.dpws`."""
+def dpws_aggregator(
+    epsilon: float, delta: float, gamma: float, *, threshold: float = 0.0
+) -> Aggregate:
+    """DPWS_{(ε,δ),γ} as a one-hot draw (index V = ⊥) of `aggregators.dpws`, keeping tokens
+    whose noisy count reaches max(its stability threshold, `threshold`)."""
 
     def draw(key, counts):
-        return _one_hot(aggregators.dpws(key, counts, epsilon, delta, gamma), counts.shape[0])
+        token = aggregators.dpws(key, counts, epsilon, delta, gamma, threshold=threshold)
+        return _one_hot(token, counts.shape[0])
 
     return draw
 
