@@ -4,7 +4,8 @@ against its baselines on text, one comparison per ρ. See `experiments/configs/e
     python -m experiments.enron --preset cpu --out DIR
 
 Writes, per ρ, `rho<ρ>/results.json`, `results.md` and plots (`pipeline.compare`), and at the top
-`results.md` (all tables) and `timing.json`.
+`results.json` (every ρ's results, the run time and the provenance) and `results.md` (the
+utility against ρ, then every ρ's tables).
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import pathlib
 import time
 from types import ModuleType
 
+import numpy as np
+
 from dpmix_jax.pipeline import run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
+from dpmix_jax.pipeline.compare import METHOD_NAMES, provenance
 from dpmix_jax.pipeline.text import (
     DomainTextTask,
     TextPipeline,
@@ -87,10 +91,46 @@ def main(
             progress=progress,
         )
         tables.append((run_dir / "results.md").read_text())
-    seconds = time.time() - start
-    (out_dir / "results.md").write_text("\n".join(tables))
-    (out_dir / "timing.json").write_text(json.dumps({"seconds": seconds}))
+    summary = {
+        "dataset": task.name,
+        "metric": "test perplexity",
+        "mix_fractions": list(config.mix_fractions),
+        "per_rho": {f"{rho:g}": result for rho, result in results.items()},
+        "noise_seeded": reproducible,
+        "seconds": time.time() - start,
+        "provenance": provenance(),
+    }
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=2, default=str))
+    (out_dir / "results.md").write_text(rho_markdown(summary) + "\n\n" + "\n".join(tables))
     return results
+
+
+def rho_markdown(summary: dict) -> str:
+    """Test perplexity (mean ± std over seeds) per method and ε, one column per ρ."""
+    rhos = [f"{rho:g}" for rho in summary["mix_fractions"]]
+    cells: dict[tuple[str, float], dict[str, str]] = {}
+    for rho in rhos:
+        runs = summary["per_rho"][rho]["runs"]
+        for method, epsilon in dict.fromkeys((r["method"], r["epsilon"]) for r in runs):
+            values = [
+                r["utility"] for r in runs if (r["method"], r["epsilon"]) == (method, epsilon)
+            ]
+            spread = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else ""
+            cells.setdefault((method, epsilon), {})[rho] = f"{np.mean(values):.2f}{spread}"
+    lines = [
+        f"Test perplexity against ρ ({summary['dataset']}; mean ± std over seeds):",
+        "",
+        "| method | ε | " + " | ".join(f"ρ = {rho}" for rho in rhos) + " |",
+        "|---|---|" + "---|" * len(rhos),
+    ]
+    for (method, epsilon), row in cells.items():
+        label = "-" if epsilon is None else f"{epsilon:g}"
+        lines.append(
+            f"| {METHOD_NAMES.get(method, method)} | {label} | "
+            + " | ".join(row.get(rho, "-") for rho in rhos)
+            + " |"
+        )
+    return "\n".join(lines)
 
 
 def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
@@ -107,17 +147,17 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--preset",
-        choices=("cpu", "paper"),
+        choices=configs_module.PRESETS,
         default="cpu",
-        help="cpu: the embedded text default (offline); paper: the paper's data and models",
+        help="; ".join(f"{name}: {what}" for name, what in configs_module.PRESETS.items()),
     )
     parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("runs") / name,
         metavar="DIR",
-        help="output folder: one rho<ρ>/ per ρ (results.json, results.md, plots, stages/) "
-        "and results.md with every table",
+        help="output folder: one rho<ρ>/ per ρ (results.json, results.md, plots, stages/), "
+        "results.json with every ρ and results.md with the utility against ρ and every table",
     )
     parser.add_argument(
         "--data-root",

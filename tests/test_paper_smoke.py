@@ -237,5 +237,10 @@ def test_text_smoke_writes_the_results_table(configs, data, tmp_path, compilatio
     dp_mixmin = next(r for r in results[rho]["runs"] if r["method"] == "dp_mixmin")
     assert len(dp_mixmin["weights"]) == 16  # one coordinate per Common Pile domain folder
     table = (out / "results.md").read_text()
-    assert table == (out / f"rho{rho:g}" / "results.md").read_text()
+    assert table.endswith((out / f"rho{rho:g}" / "results.md").read_text())
+    assert table.startswith("Test perplexity against ρ")
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["per_rho"][f"{rho:g}"] == json.loads(
+        (out / f"rho{rho:g}" / "results.json").read_text()
+    )
     assert all(f"| {METHOD_NAMES[m]}" in table for m in smoke.methods)

@@ -44,6 +44,11 @@ from dpmix_jax.pipeline.text_presets import text_demo_config
 from dpmix_jax.train import TrainConfig
 from experiments.configs.enron import TextExperimentConfig, paper_pipeline, smoke
 
+PRESETS = {
+    "cpu": "the embedded text default, example level, ρ = 0.3 (offline)",
+    "paper": "the paper's data and models",
+}
+
 
 def get_config(
     preset: str = "cpu",
