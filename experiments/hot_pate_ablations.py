@@ -9,6 +9,9 @@
     priced by DPWS: per-call ε, ε of a fixed number of calls, calls within a budget.
 (h) API-only teachers: distributions estimated from m sampled answers each; m = 1 is
     independent sampling in disguise, coordination returns as m grows.
+(i) Steps with no output: a stream in which few steps can be answered, at one total (ε, δ):
+    DPARGMAX charged on every step against the sparse vector gate (`pate.sparse`), which
+    charges only the steps it answers.
 
 All teachers are synthetic with a known ground truth; nothing here reads sensitive data. The
 draws are seeded by the config's seed with `--reproducible`, otherwise secret.
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import time
+from collections.abc import Callable
 
 import matplotlib
 
@@ -32,7 +37,14 @@ import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.pate import accounting, aggregators, diversity, metrics, samplers  # noqa: E402
+from dpmix_jax.pate import (  # noqa: E402
+    accounting,
+    aggregators,
+    diversity,
+    metrics,
+    samplers,
+    sparse,
+)
 from dpmix_jax.pate.teachers import sampled_logits  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
@@ -49,6 +61,7 @@ from experiments.configs import hot_pate_ablations as configs  # noqa: E402
 TITLE = "Hot PATE ablations: temperature, aggregators, privacy cost, API-only teachers"
 SAMPLERS = ("coordinated", "independent")
 AGGREGATORS = ("TARGMAX", "TWS", "DPARGMAX", "DPWS")
+STREAM_METHODS = {"dpargmax": "DPARGMAX, every step charged", "sparse": "sparse vector gate"}
 
 
 def _histograms(sampler: str, key: jax.Array, logits: jax.Array, r: int, temperature=1.0):
@@ -304,6 +317,141 @@ def run_api_teachers(config: configs.AblationsConfig, key: jax.Array, log) -> li
 
 
 # --------------------------------------------------------------------------------------------
+# (i) Steps with no output.
+# --------------------------------------------------------------------------------------------
+
+
+def largest_epsilon(cost: Callable[[float], float], target: float) -> float:
+    """The largest per-answer ε (to 0.1%) whose run `cost(ε)` stays <= `target`; cost grows
+    with ε."""
+    low, high = 1e-4, target
+    if cost(low) > target:
+        raise ValueError(f"even ε = {low} per answer costs more than {target}.")
+    while high / low > 1.001:
+        middle = math.sqrt(low * high)
+        low, high = (middle, high) if cost(middle) <= target else (low, middle)
+    return low
+
+
+def _stream(config, key, share):
+    """`stream_steps` coordinated histograms, a share of them from the answerable ensemble."""
+    key_a, key_b, key_ha, key_hb, key_order = jax.random.split(key, 5)
+    answerable = round(share * config.stream_steps)
+    logits_a, secret = _ensemble(config, key_a, 1)
+    logits_b, _ = diversity.secret_set_logits(
+        key_b,
+        num_teachers=config.num_teachers,
+        vocab_size=config.vocab_size,
+        set_size=1,
+        private_mass=0.99,
+        heterogeneity=config.heterogeneity,
+        background_mass=config.background_mass,
+    )
+    hist = jnp.concatenate(
+        [
+            _histograms("coordinated", key_ha, logits_a, answerable),
+            _histograms("coordinated", key_hb, logits_b, config.stream_steps - answerable),
+        ]
+    )
+    mask = np.arange(config.stream_steps) < answerable
+    order = np.asarray(jax.random.permutation(key_order, config.stream_steps))
+    return hist[order], mask[order], int(secret[0])
+
+
+@jax.jit
+def _every_step(key, histograms, threshold, epsilon):
+    keys = jax.random.split(key, histograms.shape[0])
+    return jax.vmap(aggregators.dpargmax_laplace, in_axes=(0, 0, None, None))(
+        keys, histograms, threshold, epsilon
+    )
+
+
+@jax.jit(static_argnums=2)
+def _sparse_stream(key, histograms, config: sparse.SparseConfig):
+    key_start, key_steps = jax.random.split(key)
+
+    def body(state, inputs):
+        step_key, counts = inputs
+        token, state = sparse.step(step_key, state, counts, config)
+        return state, token
+
+    keys = jax.random.split(key_steps, histograms.shape[0])
+    _, tokens = jax.lax.scan(body, sparse.start(key_start, config), (keys, histograms))
+    return tokens
+
+
+def _stream_row(share, method, tokens, answerable, secret, **accounting_fields) -> dict:
+    tokens = np.asarray(tokens)
+    return {
+        "share": share,
+        "method": method,
+        **accounting_fields,
+        "answered": float((tokens[answerable] >= 0).mean()),
+        "correct": float((tokens[answerable] == secret).mean()),
+        "answered_unanswerable": float((tokens[~answerable] >= 0).mean()),
+    }
+
+
+def run_stream(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
+    rows = []
+    threshold = config.num_teachers / 2
+    target, delta = config.stream_epsilon, config.stream_delta
+    for share in config.answerable_shares:
+        key, key_stream, key_every, key_sparse = jax.random.split(key, 4)
+        histograms, answerable, secret = _stream(config, key_stream, share)
+
+        def every_step_cost(epsilon):
+            event = accounting.dpargmax_laplace_event(epsilon)
+            return accounting.epsilon_of_steps(event, steps=config.stream_steps, delta=delta)
+
+        per_call = largest_epsilon(every_step_cost, target)
+        tokens = _every_step(key_every, histograms, threshold, per_call)
+        rows.append(
+            _stream_row(
+                share,
+                "dpargmax",
+                tokens,
+                answerable,
+                secret,
+                epsilon=every_step_cost(per_call),
+                per_answer_epsilon=per_call,
+                max_answers=None,
+            )
+        )
+        cap = math.ceil(config.cap_factor * share * config.stream_steps)
+
+        def gate(select_epsilon, cap=cap):
+            return sparse.SparseConfig(
+                threshold=threshold,
+                max_answers=cap,
+                gate_epsilon=config.gate_epsilon,
+                select_epsilon=select_epsilon,
+            )
+
+        select = largest_epsilon(lambda e: sparse.epsilon(gate(e), delta), target)
+        tokens = _sparse_stream(key_sparse, histograms, gate(select))
+        rows.append(
+            _stream_row(
+                share,
+                "sparse",
+                tokens,
+                answerable,
+                secret,
+                epsilon=sparse.epsilon(gate(select), delta),
+                per_answer_epsilon=select,
+                max_answers=cap,
+            )
+        )
+        for row in rows[-2:]:
+            log(
+                f"(i) a = {share:g} {row['method']}: ε {row['epsilon']:.3f}, answered"
+                f" {row['answered']:.2f} of the answerable, {row['answered_unanswerable']:.3f}"
+                " of the others"
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # The run and its report.
 # --------------------------------------------------------------------------------------------
 
@@ -312,6 +460,7 @@ PARTS = {
     "aggregators": run_aggregators,
     "privacy_cost": run_privacy_cost,
     "api_teachers": run_api_teachers,
+    "stream": run_stream,
 }
 
 
@@ -321,7 +470,7 @@ def main(
     *,
     reproducible: bool = False,
 ) -> dict:
-    """Runs the four parts; returns (and, with `out`, writes) the results."""
+    """Runs the five parts; returns (and, with `out`, writes) the results."""
     start = time.time()
 
     def log(message: str) -> None:
@@ -434,6 +583,23 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
             f"| {row['k']} | {what} | {row['sampler']} | {row['coverage_at_half']:.2f} |"
             f" {row['threshold']:.0f} | {_number(row['secret_share'])} |"
         )
+    lines += [
+        "",
+        f"(i) Steps with no output: {config.stream_steps} steps, a share a answerable, at a"
+        f" total (ε, δ) = ({config.stream_epsilon:g}, {config.stream_delta:g}), T = n/2.",
+        "",
+        "| a | method | ε per answer | answers c | ε spent | answered (answerable) | correct"
+        " token | answered (others) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["stream"]:
+        name = STREAM_METHODS[row["method"]]
+        cap = "-" if row["max_answers"] is None else str(row["max_answers"])
+        lines.append(
+            f"| {row['share']:g} | {name} | {row['per_answer_epsilon']:.3g} | {cap} |"
+            f" {row['epsilon']:.3f} | {row['answered']:.2f} | {row['correct']:.2f} |"
+            f" {row['answered_unanswerable']:.3f} |"
+        )
     groups = ", ".join(str(g) for g in config.group_sizes)
     lines += [
         "",
@@ -449,7 +615,13 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
         " noisy counts above T or its stability threshold, whichever is larger,"
         f" {config.aggregator_draws} draws each. (g): ε composed by dp-accounting's PLD"
         f" accountant at δ = {config.composition_delta:g}, each call's δ added on top; 'no ε':"
-        " coverage needs T = 1, which no DPWS reaches.",
+        " coverage needs T = 1, which no DPWS reaches. (i): answerable steps from the k = 1"
+        " ensemble, the others from teachers with 0.99 of their mass on a private token;"
+        " DPARGMAX charged on every step at the per-call ε whose dp-accounting composition"
+        f" over the {config.stream_steps} steps is the total; the sparse gate"
+        f" (`pate.sparse`, gate ε = {config.gate_epsilon:g}, c = {config.cap_factor:g}·a·steps)"
+        " charged for its c answers only, its selections' ε the largest that keeps the run's"
+        " ε (dp-accounting PLD) at the total.",
         SEEDED_NOTE if results.get("noise_seeded") else "Draws secret.",
     ]
     return "\n".join(lines)
