@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dpmix_jax import interrupt
+from dpmix_jax import checkout, interrupt
 
 EXPERIMENTS = {
     "quickstart": "DP-SGD on scikit-learn digits with the privacy core only",
@@ -780,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Bad input and Ctrl-C end with one line on stderr and no traceback (see `one_line_errors`).
     """
+    checkout.pin_commit()  # the results name the code the run started from
     parser = _parser()
     try:
         # Ctrl-C while the demo's arguments are checked (loading the library) also ends here.

@@ -15,7 +15,7 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
-from dpmix_jax import cli
+from dpmix_jax import checkout, cli
 
 # The locks that the experiment running under `experiment_main` holds until it ends (its --out
 # folder's, taken when its arguments are parsed); None outside `experiment_main`.
@@ -71,6 +71,7 @@ def experiment_main(name: str) -> Iterator[None]:
     before loading any data.
     """
     global _experiment_locks
+    checkout.pin_commit()  # the results name the code the run started from
     with cli.one_line_errors(cli.experiment_program(name)), contextlib.ExitStack() as locks:
         previous, _experiment_locks = _experiment_locks, locks
         try:

@@ -333,10 +333,12 @@ def largest_epsilon(cost: Callable[[float], float], target: float) -> float:
     return low
 
 
-def _stream(config, key, share):
-    """`stream_steps` coordinated histograms, a share of them from the answerable ensemble."""
+def _stream(config, key, steps):
+    """`steps` coordinated histograms, `answerable_steps` of them from the answerable ensemble
+    (one token shared by all), in a random order; returns them, the answerable mask and the
+    shared token."""
     key_a, key_b, key_ha, key_hb, key_order = jax.random.split(key, 5)
-    answerable = round(share * config.stream_steps)
+    answerable = config.answerable_steps
     logits_a, secret = _ensemble(config, key_a, 1)
     logits_b, _ = diversity.secret_set_logits(
         key_b,
@@ -350,11 +352,11 @@ def _stream(config, key, share):
     hist = jnp.concatenate(
         [
             _histograms("coordinated", key_ha, logits_a, answerable),
-            _histograms("coordinated", key_hb, logits_b, config.stream_steps - answerable),
+            _histograms("coordinated", key_hb, logits_b, steps - answerable),
         ]
     )
-    mask = np.arange(config.stream_steps) < answerable
-    order = np.asarray(jax.random.permutation(key_order, config.stream_steps))
+    mask = np.arange(steps) < answerable
+    order = np.asarray(jax.random.permutation(key_order, steps))
     return hist[order], mask[order], int(secret[0])
 
 
@@ -380,10 +382,10 @@ def _sparse_stream(key, histograms, config: sparse.SparseConfig):
     return tokens
 
 
-def _stream_row(share, method, tokens, answerable, secret, **accounting_fields) -> dict:
+def _stream_row(steps, method, tokens, answerable, secret, **accounting_fields) -> dict:
     tokens = np.asarray(tokens)
     return {
-        "share": share,
+        "steps": steps,
         "method": method,
         **accounting_fields,
         "answered": float((tokens[answerable] >= 0).mean()),
@@ -396,19 +398,30 @@ def run_stream(config: configs.AblationsConfig, key: jax.Array, log) -> list[dic
     rows = []
     threshold = config.num_teachers / 2
     target, delta = config.stream_epsilon, config.stream_delta
-    for share in config.answerable_shares:
-        key, key_stream, key_every, key_sparse = jax.random.split(key, 4)
-        histograms, answerable, secret = _stream(config, key_stream, share)
 
-        def every_step_cost(epsilon):
+    def gate(select_epsilon):
+        return sparse.SparseConfig(
+            threshold=threshold,
+            max_answers=config.max_answers,
+            gate_epsilon=config.gate_epsilon,
+            threshold_share=config.gate_threshold_share,
+            select_epsilon=select_epsilon,
+        )
+
+    select = largest_epsilon(lambda e: sparse.epsilon(gate(e), delta), target)
+    for steps in config.stream_steps:
+        key, key_stream, key_every, key_sparse = jax.random.split(key, 4)
+        histograms, answerable, secret = _stream(config, key_stream, steps)
+
+        def every_step_cost(epsilon, steps=steps):
             event = accounting.dpargmax_laplace_event(epsilon)
-            return accounting.epsilon_of_steps(event, steps=config.stream_steps, delta=delta)
+            return accounting.epsilon_of_steps(event, steps=steps, delta=delta)
 
         per_call = largest_epsilon(every_step_cost, target)
         tokens = _every_step(key_every, histograms, threshold, per_call)
         rows.append(
             _stream_row(
-                share,
+                steps,
                 "dpargmax",
                 tokens,
                 answerable,
@@ -418,35 +431,24 @@ def run_stream(config: configs.AblationsConfig, key: jax.Array, log) -> list[dic
                 max_answers=None,
             )
         )
-        cap = math.ceil(config.cap_factor * share * config.stream_steps)
-
-        def gate(select_epsilon, cap=cap):
-            return sparse.SparseConfig(
-                threshold=threshold,
-                max_answers=cap,
-                gate_epsilon=config.gate_epsilon,
-                select_epsilon=select_epsilon,
-            )
-
-        select = largest_epsilon(lambda e: sparse.epsilon(gate(e), delta), target)
         tokens = _sparse_stream(key_sparse, histograms, gate(select))
         rows.append(
             _stream_row(
-                share,
+                steps,
                 "sparse",
                 tokens,
                 answerable,
                 secret,
                 epsilon=sparse.epsilon(gate(select), delta),
                 per_answer_epsilon=select,
-                max_answers=cap,
+                max_answers=config.max_answers,
             )
         )
         for row in rows[-2:]:
             log(
-                f"(i) a = {share:g} {row['method']}: ε {row['epsilon']:.3f}, answered"
-                f" {row['answered']:.2f} of the answerable, {row['answered_unanswerable']:.3f}"
-                " of the others"
+                f"(i) {steps} steps, {row['method']}: ε {row['epsilon']:.3f}, answered"
+                f" {row['answered']:.2f} ({row['correct']:.2f} correct) of the answerable,"
+                f" {row['answered_unanswerable']:.3f} of the others"
             )
     return rows
 
@@ -585,10 +587,10 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
         )
     lines += [
         "",
-        f"(i) Steps with no output: {config.stream_steps} steps, a share a answerable, at a"
-        f" total (ε, δ) = ({config.stream_epsilon:g}, {config.stream_delta:g}), T = n/2.",
+        f"(i) Steps with no output: streams with {config.answerable_steps} answerable steps, at"
+        f" a total (ε, δ) = ({config.stream_epsilon:g}, {config.stream_delta:g}), T = n/2.",
         "",
-        "| a | method | ε per answer | answers c | ε spent | answered (answerable) | correct"
+        "| steps | method | ε per answer | answers c | ε spent | answered (answerable) | correct"
         " token | answered (others) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -596,7 +598,7 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
         name = STREAM_METHODS[row["method"]]
         cap = "-" if row["max_answers"] is None else str(row["max_answers"])
         lines.append(
-            f"| {row['share']:g} | {name} | {row['per_answer_epsilon']:.3g} | {cap} |"
+            f"| {row['steps']} | {name} | {row['per_answer_epsilon']:.3g} | {cap} |"
             f" {row['epsilon']:.3f} | {row['answered']:.2f} | {row['correct']:.2f} |"
             f" {row['answered_unanswerable']:.3f} |"
         )
@@ -618,8 +620,9 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
         " coverage needs T = 1, which no DPWS reaches. (i): answerable steps from the k = 1"
         " ensemble, the others from teachers with 0.99 of their mass on a private token;"
         " DPARGMAX charged on every step at the per-call ε whose dp-accounting composition"
-        f" over the {config.stream_steps} steps is the total; the sparse gate"
-        f" (`pate.sparse`, gate ε = {config.gate_epsilon:g}, c = {config.cap_factor:g}·a·steps)"
+        " over each stream is the total; the sparse gate"
+        f" (`pate.sparse`, gate ε = {config.gate_epsilon:g} of which"
+        f" {config.gate_threshold_share:g} on the threshold, c = {config.max_answers})"
         " charged for its c answers only, its selections' ε the largest that keeps the run's"
         " ε (dp-accounting PLD) at the total.",
         SEEDED_NOTE if results.get("noise_seeded") else "Draws secret.",

@@ -26,7 +26,6 @@ import math
 import os
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 import tqdm
 
-from dpmix_jax import interrupt, parallel
+from dpmix_jax import checkout, interrupt, parallel
 from dpmix_jax.mixing import cosine_similarity, l1_distance
 from dpmix_jax.pipeline import common, folders
 from dpmix_jax.privacy import SEEDED_NOTE
@@ -149,7 +148,7 @@ def provenance() -> dict[str, Any]:
     return {
         "command": _command_line(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
-        "commit": _git_commit(),
+        "commit": checkout.commit(),
         "version": version,
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
@@ -164,23 +163,6 @@ def _command_line() -> str:
     else:
         words = [program.name]
     return shlex.join([*words, *sys.argv[1:]])
-
-
-def _git_commit() -> str | None:
-    """The checkout's commit (with "+modified" when tracked files differ), or None."""
-    here = pathlib.Path(__file__).parent
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(here), *args], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "--short", "HEAD")
-        modified = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+modified" if modified else "")
 
 
 def run_comparison(

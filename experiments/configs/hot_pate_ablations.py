@@ -25,13 +25,13 @@ Five parts, all on synthetic teachers with a known ground truth (`pate.diversity
     m in {1, 4, 16, 64, 256}, beside the exact distributions; coverage at T = n/2 and the
     largest T with coverage >= 0.2 of coordinated sampling on the estimates.
 
-(i) steps with no output: a stream of 1000 steps of which a share a in {0.05, 0.2} can be
-    answered (the k = 1 ensemble: one token shared by all) and the rest cannot (every teacher on
-    a private token of its own, 0.99 of its mass), in a random order, at a total (ε, δ) =
-    (2, 1e-6), T = n/2: DPARGMAX charged on every step (the per-call ε whose composition over
-    the 1000 steps is 2) against the sparse vector gate of `pate.sparse` (c = 1.5·a·1000
-    answers, gate ε = 1, each selection's ε3 the largest that keeps the run's ε at 2): answered
-    and correct steps among the answerable, answers among the others.
+(i) steps with no output: streams of 100, 1000 and 10,000 steps of which 20 can be answered
+    (the k = 1 ensemble: one token shared by all) and the rest cannot (every teacher on a
+    private token of its own, 0.99 of its mass), in a random order, at a total (ε, δ) =
+    (8, 1e-6), T = n/2: DPARGMAX charged on every step (the per-call ε whose composition over
+    the stream is 8) against the sparse vector gate of `pate.sparse` (c = 30 answers, gate
+    ε = 5 of which 1 on the threshold, each selection's ε3 the largest that keeps the run's ε at
+    8): answered and correct steps among the answerable, answers among the others.
 
 `tiny` runs every part at toy sizes (n = 64, V = 200, r = 200); the tests run it.
 The cpu preset's run time and results are in docs/generate.md, rebuilt from the stored run.
@@ -68,11 +68,12 @@ class AblationsConfig:
         budget_epsilon: the ε within which (g) counts calls.
         yield_draws: draws of DPWS's measured yield in (g).
         api_samples: the m values of (h).
-        stream_steps: the steps of (i).
-        answerable_shares: the shares a of answerable steps in (i).
+        stream_steps: the stream lengths of (i).
+        answerable_steps: the steps of each stream that can be answered, in (i).
         stream_epsilon, stream_delta: the total (ε, δ) of every method in (i).
-        cap_factor: the sparse gate's c over the expected answerable steps, in (i).
+        max_answers: the sparse gate's c in (i).
         gate_epsilon: the sparse gate's ε1 + ε2 in (i).
+        gate_threshold_share: ε1 / (ε1 + ε2) in (i).
         seed: seed of the ensembles and of every draw.
         progress: print a line per setting.
     """
@@ -98,12 +99,13 @@ class AblationsConfig:
     budget_epsilon: float = 10.0
     yield_draws: int = 2000
     api_samples: tuple[int, ...] = (1, 4, 16, 64, 256)
-    stream_steps: int = 1000
-    answerable_shares: tuple[float, ...] = (0.05, 0.2)
-    stream_epsilon: float = 2.0
+    stream_steps: tuple[int, ...] = (100, 1000, 10_000)
+    answerable_steps: int = 20
+    stream_epsilon: float = 8.0
     stream_delta: float = 1e-6
-    cap_factor: float = 1.5
-    gate_epsilon: float = 1.0
+    max_answers: int = 30
+    gate_epsilon: float = 5.0
+    gate_threshold_share: float = 0.2
     seed: int = 0
     progress: bool = True
 
@@ -131,10 +133,12 @@ class AblationsConfig:
             raise ValueError("aggregator_epsilon and budget_epsilon must be > 0.")
         if not 0 < self.gate_epsilon < self.stream_epsilon:
             raise ValueError("gate_epsilon must be in (0, stream_epsilon).")
-        if not all(0 < a < 1 for a in self.answerable_shares) or self.cap_factor < 1:
-            raise ValueError("answerable_shares must be in (0, 1) and cap_factor >= 1.")
-        if not 0 < self.stream_delta < 1 or self.stream_steps < 10:
-            raise ValueError("stream_delta must be in (0, 1) and stream_steps >= 10.")
+        if not self.stream_steps or min(self.stream_steps) <= self.answerable_steps:
+            raise ValueError("every stream must be longer than answerable_steps.")
+        if self.answerable_steps < 1 or self.max_answers < 1:
+            raise ValueError("answerable_steps and max_answers must be >= 1.")
+        if not 0 < self.stream_delta < 1 or not 0 < self.gate_threshold_share < 1:
+            raise ValueError("stream_delta and gate_threshold_share must be in (0, 1).")
 
 
 def get_config(preset: str = "cpu") -> AblationsConfig:
@@ -152,7 +156,8 @@ def get_config(preset: str = "cpu") -> AblationsConfig:
             cost_set_sizes=(1, 10),
             yield_draws=200,
             api_samples=(1, 16),
-            stream_steps=200,
-            answerable_shares=(0.1,),
+            stream_steps=(50, 200),
+            answerable_steps=5,
+            max_answers=8,
         )
     raise ValueError(f"preset must be 'cpu' or 'tiny', got {preset!r}.")
