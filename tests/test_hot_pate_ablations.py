@@ -279,3 +279,23 @@ def test_api_teachers_recover_coordination_with_more_answers(stored):
         assert one["samples"] == 1
         assert abs(one["coverage_at_half"] - exact["independent"]["coverage_at_half"]) < 0.05
         assert exact["coordinated"]["coverage_at_half"] - coverage[-1] < 0.1
+
+
+def test_a_sparse_gate_makes_steps_with_no_output_free(stored):
+    """DPARGMAX charged on every step spends its budget on the unanswerable steps: its per-call
+    ε falls with the stream's length and its answers become noise. The sparse gate's cost does
+    not depend on the length: from 1000 steps on it gives more right tokens and almost no
+    answers to the unanswerable steps, where DPARGMAX answers most of them."""
+    config = configs.get_config("cpu")
+    rows = {(r["steps"], r["method"]): r for r in stored["stream"]}
+    for steps in config.stream_steps:
+        gate, every = rows[steps, "sparse"], rows[steps, "dpargmax"]
+        assert gate["epsilon"] <= config.stream_epsilon + 1e-3
+        assert every["epsilon"] <= config.stream_epsilon + 1e-3
+        assert gate["correct"] >= every["correct"] and gate["answered_unanswerable"] < 0.05
+        if steps >= 1000:
+            assert gate["correct"] > every["correct"] + 0.2
+            assert every["answered_unanswerable"] > 0.5
+    per_call = [rows[s, "dpargmax"]["per_answer_epsilon"] for s in config.stream_steps]
+    assert per_call == sorted(per_call, reverse=True)
+    assert len({rows[s, "sparse"]["per_answer_epsilon"] for s in config.stream_steps}) == 1

@@ -1,0 +1,29 @@
+"""The commit a run records is the one it started from (`dpmix_jax.checkout`)."""
+
+from __future__ import annotations
+
+import subprocess
+
+from dpmix_jax import checkout
+
+
+def test_a_pinned_commit_outlives_changes_to_the_tree(monkeypatch):
+    monkeypatch.delenv(checkout.PINNED_ENV, raising=False)
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    live = checkout.commit()
+    assert live is not None and live.startswith(head)
+    checkout.pin_commit()
+    assert checkout.commit() == live
+    monkeypatch.setattr(checkout, "_read_commit", lambda: "0000000+modified")
+    assert checkout.commit() == live  # the tree changed; the run still names its start
+    checkout.pin_commit()  # a second pin (a child process) keeps the first
+    assert checkout.commit() == live
+
+
+def test_a_parent_process_pin_is_inherited(monkeypatch):
+    monkeypatch.setenv(checkout.PINNED_ENV, "abc1234")
+    assert checkout.commit() == "abc1234"
+    monkeypatch.setenv(checkout.PINNED_ENV, "")  # pinned outside a git checkout
+    assert checkout.commit() is None
