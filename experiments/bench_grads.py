@@ -467,10 +467,13 @@ def _pate_logits(config: BenchConfig, regime: str) -> jax.Array:
     if regime == "peaked_diverse":  # Zipf(2.5) over a per-teacher permutation of the vocabulary
         ranks = jax.vmap(lambda k: jax.random.permutation(k, vocab))(jax.random.split(key, n))
         return -2.5 * jnp.log1p(ranks.astype(jnp.float32))
+    rank = 1 + jax.random.permutation(key, vocab).astype(jnp.float32)  # one shared ranking
+    jitter = jax.random.normal(jax.random.fold_in(key, 1), (n, vocab))
+    if regime == "flat_shared":  # flat teachers sharing a ranking: 0.35·(-1.1 ln rank + N(0, 0.5²))
+        return 0.35 * (-1.1 * jnp.log(rank) + 0.5 * jitter)
     # LM-like: teachers are one language model in different contexts, so they share a Zipf(2.5)
     # ranking of the vocabulary, perturbed per teacher by N(0, 0.7²) on the logits.
-    shared = -2.5 * jnp.log1p(jax.random.permutation(key, vocab).astype(jnp.float32))
-    return shared + 0.7 * jax.random.normal(jax.random.fold_in(key, 1), (n, vocab))
+    return -2.5 * jnp.log(rank) + 0.7 * jitter
 
 
 _read_logits = jax.jit(jnp.max)  # one pass over the (n, V) logits: the floor of a step
@@ -499,7 +502,7 @@ def bench_pate(config: BenchConfig) -> list[dict]:
     """
     r = config.pate_histograms
     rows = []
-    for regime in ("random", "peaked_diverse", "lm_like"):
+    for regime in config.pate_regimes:
         logits = _pate_logits(config, regime)
         sample = functools.partial(samplers.coordinated_histograms, jax.random.key(1), logits)
         full = config.pate_full_histograms
@@ -626,6 +629,7 @@ _MODEL_LABELS = {
     "gpt2_small": "GPT-2 small",
 }
 _PATE_LABELS = {
+    "flat_shared": "flat, shared ranking (0.35·(-1.1 ln rank + N(0, 0.5²)))",
     "lm_like": "LM-like (shared Zipf ranking, perturbed)",
     "peaked_diverse": "peaked, disjoint rankings",
     "random": "random N(0, 2²)",
@@ -824,7 +828,8 @@ def main(argv: list[str] | None = None) -> dict:
         default="cpu",
         choices=PRESETS,
         help="micro: seconds, for tests; cpu: tiny ResNet and GPT-2; cpu_small: ResNet-18 and "
-        "GPT-2 small on CPU; gpu: ResNet-18 and GPT-2 small on an accelerator",
+        "GPT-2 small on CPU; pate: the Hot PATE samplers in four regimes; gpu: ResNet-18 and "
+        "GPT-2 small on an accelerator",
     )
     parser.add_argument(
         "--out",

@@ -7,6 +7,8 @@
 - "cpu_small": ResNet-18 (batch 16) and GPT-2 small (sequence length 256, batch 4) on CPU, the
   non-private, vmap, ghost, Trainer, LoRA and Opacus steps only, no MixMin or PATE parts; 5
   minutes of benchmark on 2 shared cores (docs/results/bench-cpu_small.json).
+- "pate": the Hot PATE samplers alone (n = 512, V = 50,257, r = 200, top-K path) in four
+  regimes of teacher logits, the flat shared-ranking one included.
 - "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
 """
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
-PRESETS = ("micro", "cpu", "cpu_small", "gpu")
+PRESETS = ("micro", "cpu", "cpu_small", "pate", "gpu")
+# Teacher logits of the Hot PATE benchmark (`experiments.bench_grads._pate_logits`).
+PATE_REGIMES = ("random", "peaked_diverse", "lm_like", "flat_shared")
 METHODS = (
     "nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "dp_bandmf", "trainer_dp",
     "lora_nonprivate", "lora_dp", "opacus_nonprivate", "opacus_dp",
@@ -78,6 +82,7 @@ class BenchConfig:
         pate_top_k: K of the exact top-K coordinated path (None: full scan only).
         pate_full_histograms: r of the coordinated full scan (its cost per histogram does not
             depend on r, and r = 1000 takes about a minute per call on 2 CPU cores).
+        pate_regimes: the teacher logits timed (a subset of `PATE_REGIMES`).
         memory_analysis: compile each JAX step once more ahead of time to read XLA's memory
             estimate (doubles compile time).
     """
@@ -98,11 +103,14 @@ class BenchConfig:
     pate_histograms: int = 1000
     pate_top_k: int | None = 64
     pate_full_histograms: int = 100
+    pate_regimes: tuple[str, ...] = PATE_REGIMES
     memory_analysis: bool = True
 
     def __post_init__(self):
         if unknown := set(self.methods) - set(METHODS):
             raise ValueError(f"unknown methods {sorted(unknown)}; choose from {METHODS}.")
+        if unknown := set(self.pate_regimes) - set(PATE_REGIMES):
+            raise ValueError(f"unknown pate_regimes {sorted(unknown)}; choose from {PATE_REGIMES}.")
         for name in ("bands", "lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -120,7 +128,7 @@ class BenchConfig:
 
 
 def get_config(preset: str = "cpu") -> BenchConfig:
-    """The named preset: "micro", "cpu", "cpu_small" or "gpu"."""
+    """The named preset: "micro", "cpu", "cpu_small", "pate" or "gpu"."""
     if preset == "micro":
         return BenchConfig(
             models=(ModelBench(model="gpt2_tiny", batch_sizes=(4,), microbatch_size=2, seq_len=8),),
@@ -148,6 +156,8 @@ def get_config(preset: str = "cpu") -> BenchConfig:
             ),
             warmup_steps=1, rounds=2, steps_per_round=2, mixmin_sources=(), pate_teachers=0,
         )  # fmt: skip
+    if preset == "pate":
+        return BenchConfig(models=(), methods=(), mixmin_sources=(), pate_histograms=200)
     if preset == "gpu":
         return BenchConfig(
             models=(
