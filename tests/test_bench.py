@@ -22,7 +22,7 @@ from experiments.configs.bench_grads import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STORED = {p: ROOT / "docs" / "results" / f"bench-{p}.json" for p in ("cpu", "cpu_small")}
+STORED = {p: ROOT / "docs" / "results" / f"bench-{p}.json" for p in ("cpu", "cpu_small", "pate")}
 
 
 def _tiny_gpt2_parameters() -> int:
@@ -184,6 +184,8 @@ def test_stored_run_is_complete(preset):
     }
     assert {(r["model"], r["batch_size"], r["method"]) for r in report["results"]} == expected
     assert bench_grads.summary(report["results"]) == report["summary"]
+    if config.pate_teachers and preset != "cpu":  # the cpu run predates the fourth regime
+        assert {r["logits"] for r in report["pate"]} == set(config.pate_regimes)
 
 
 def test_performance_and_lora_pages_show_the_stored_runs():
@@ -198,11 +200,18 @@ def test_performance_and_lora_pages_show_the_stored_runs():
     small_models = page[page.index("## Small models on CPU") :]
     for table in (bench_grads.performance_table, bench_grads.memory_table):
         assert table(small) in small_models
-    for stored, section in ((report, performance), (small, small_models)):
+    samplers_only = json.loads(STORED["pate"].read_text())
+    assert bench_grads.pate_table(samplers_only) in performance
+    for stored, section in (
+        (report, performance),
+        (small, small_models),
+        (samplers_only, performance),
+    ):
         origin = stored["provenance"]
         assert origin["commit"] in section and origin["date"] in section
-        assert bench_grads.lora_table(stored) in lora_page
-        assert origin["commit"] in lora_page
+        if stored["results"]:
+            assert bench_grads.lora_table(stored) in lora_page
+            assert origin["commit"] in lora_page
 
 
 def test_config_validation():
@@ -218,8 +227,11 @@ def test_config_validation():
             BenchConfig(models=(spec,), **{name: value})
     with pytest.raises(ValueError, match="preset"):
         get_config("tpu-pod")
-    for preset in PRESETS:
-        assert get_config(preset).models
+    with pytest.raises(ValueError, match="pate_regimes"):
+        BenchConfig(models=(spec,), pate_regimes=("flat",))
+    for preset in PRESETS:  # every preset times something
+        config = get_config(preset)
+        assert config.models or config.pate_teachers
 
 
 def test_presets_this_machine_cannot_run_are_refused_before_any_work(monkeypatch):
