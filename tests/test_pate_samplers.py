@@ -539,3 +539,23 @@ def test_leader_sampler_gives_the_full_scans_histograms(scale):
         lambda k: samplers._leader_certified_votes(k, leader_plan(logits, 6), threshold, capacity)
     )(jax.random.split(key, r))
     assert 0 < float(np.mean(np.asarray(failing))) < 0.01
+
+
+def test_flat_teachers_sharing_a_ranking_take_the_noise_leaders():
+    # Flat teachers over one shared ranking have a small head S (their top tokens coincide) but
+    # little mass on it, where the blocks' certificate fails in most histograms; the sampler
+    # takes the noise-leader certificate instead, whose histograms are the full scan's.
+    vocab, n = 4096, 48
+    rank = 1 + jax.random.permutation(jax.random.key(50), vocab).astype(jnp.float32)
+    logits = 0.35 * (-1.1 * jnp.log(rank) + 0.5 * jax.random.normal(jax.random.key(51), (n, vocab)))
+    values, indices = samplers._top_k(logits, 8)
+    _, in_head = samplers._head(values, indices, vocab)
+    assert samplers._head_width(int(in_head.sum()), vocab) is not None  # a small head
+    assert float(samplers._head_mass(logits, values)) < samplers._MIN_HEAD_MASS
+    key, r = jax.random.key(52), 64
+    full = samplers.coordinated_histograms(key, logits, r)
+    lazy = samplers.coordinated_sampler(logits, top_k=8)(key, r)
+    np.testing.assert_array_equal(np.asarray(lazy), np.asarray(full))  # bit for bit: leaders
+    peaked = lm_like_logits(jax.random.key(53), n, vocab)
+    values, _ = samplers._top_k(peaked, 8)
+    assert float(samplers._head_mass(peaked, values)) > samplers._MIN_HEAD_MASS

@@ -47,16 +47,17 @@ scanned, or the whole vocabulary when there are many. Output histograms thus hav
 law (not its bits for the same key). With n·K ≪ V and peaked (LM-like) teachers most histograms
 need no completion (cost O(|S| + n·(K + L + B)) instead of O(n·V)); a single block (one M over
 V \\ S) would be valid too but far looser, as it treats every outside token like the largest one.
-When |S| is a large part of V (flat or diverse teachers), the noise-leader certificate runs
-instead. Each histogram draws its whole noise vector (the full scan's own bits for the key: V
+When |S| is a large part of V (diverse teachers), or the teachers put less than half their mass on
+their own K head tokens (flat teachers, even sharing one ranking), the noise-leader certificate
+runs instead. Each histogram draws its whole noise vector (the full scan's own bits for the key: V
 values, cheap next to the n·V scores) and takes its leaders L, the tokens whose noise exceeds a
 fixed θ (about 576 of them, at most 768: `_leader_sizes`). Teacher i's best token among T_i ∪ L
 wins when it beats b_i + max_{j ∉ L} g_j, which bounds the score of every other token: a token
-outside T_i has x_ij ≤ b_i. The leaders' scores are contiguous rows of the logits transposed
-once per call (V, n). Failing teachers (about 2 in 10^5 on N(0, 2²) teachers) are rescanned
-on the same noise vector, as above, so the histograms are the full scan's for the same key, bit
-for bit. The transposed copy doubles the memory the logits take. No truncation (top-p) is
-offered: that would be a different distribution.
+outside T_i has x_ij ≤ b_i. The leaders' scores are contiguous rows of the logits transposed once
+per call (V, n). Failing teachers (about 2 in 10^5 on N(0, 2²) teachers) are rescanned on the same
+noise vector, as above, so the histograms are the full scan's for the same key, bit for bit. The
+transposed copy doubles the memory the logits take. No truncation (top-p) is offered: that would be
+a different distribution.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -98,6 +99,10 @@ _LEADER_MIN_VOCAB = 64  # below this a large head means the full scan
 # plan) costs about as much as this many full-scan histograms (each one pass over the logits).
 _LAZY_MIN_HISTOGRAMS = 16
 _ROW_CHUNK = 128  # tokens per chunk of a pass over the logits (`_row_votes`)
+# Below this mean probability on the teachers' own head tokens the noise-leader certificate runs
+# even for a small head S: with flat teachers (a shared ranking, little mass on each head) the
+# blocks' bound c_ib + M_b exceeds the best head score in most histograms.
+_MIN_HEAD_MASS = 0.5
 
 
 def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) -> tuple[int, float]:
@@ -285,7 +290,9 @@ def coordinated_sampler(
         _check_teachers(_row_max(scaled), _nan_in(scaled), logits)
         values, indices = _top_k(scaled, top_k)
         head_tokens, in_head = _head(values, indices, vocab)
-        width = _head_width(int(in_head.sum()), vocab)  # the one host look per set-up
+        width = _head_width(int(in_head.sum()), vocab)  # the host looks of the set-up
+        if width is not None and float(_head_mass(scaled, values)) < _MIN_HEAD_MASS:
+            width = None  # flat teachers: the blocks' bound is loose, the leaders' is not
         chosen_batch = _DEFAULT_BATCH if batch_size is None else batch_size
         if width is None and vocab < _LEADER_MIN_VOCAB:
             prepared.append(full)
@@ -318,6 +325,14 @@ def _counted(draw: Draw) -> Draw:
         return draw(key, privacy.check_steps(num_histograms, "num_histograms"))
 
     return checked
+
+
+@jax.jit
+def _head_mass(scaled, values):
+    """The teachers' mean probability on their own K head tokens (one pass of exponentials)."""
+    top_k = values.shape[1] - 1
+    head = jax.nn.logsumexp(values[:, :top_k], axis=1)
+    return jnp.mean(jnp.exp(head - jax.nn.logsumexp(scaled, axis=1)))
 
 
 def _head_width(size: int, vocab: int) -> int | None:
