@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import pathlib
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dpmix_jax import checkout, cli
@@ -78,6 +78,34 @@ def experiment_main(name: str) -> Iterator[None]:
             yield
         finally:
             _experiment_locks = previous
+
+
+def add_preset_option(parser: argparse.ArgumentParser, presets: Mapping[str, str]) -> None:
+    """Adds `--preset`, one of `presets` (name -> what it runs), the first by default."""
+    parser.add_argument(
+        "--preset",
+        default=next(iter(presets)),
+        choices=tuple(presets),
+        help="; ".join(f"{name}: {what}" for name, what in presets.items()),
+    )
+
+
+def add_out_option(parser: argparse.ArgumentParser, name: str, contents: str) -> None:
+    """Adds `--out DIR`, the output folder (default `runs/NAME`) that receives `contents`."""
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("runs") / name,
+        metavar="DIR",
+        help=f"output folder: {contents}",
+    )
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, single_seed: bool = False) -> None:
+    """Adds `--reproducible` (seeded by `--seeds`), `--seeds` and `--quiet`."""
+    add_reproducible_flag(parser, seeds="--seeds")
+    add_seeds_option(parser, single=single_seed)
+    add_quiet_flag(parser)
 
 
 def add_reproducible_flag(parser: argparse.ArgumentParser, *, seeds: str) -> None:

@@ -30,9 +30,9 @@ from dpmix_jax.pipeline.text import (
 )
 from dpmix_jax.pipeline.text_presets import text_task
 from experiments.common_args import (
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
+    add_out_option,
+    add_preset_option,
+    add_run_options,
     experiment_main,
     experiment_parser,
     with_common_options,
@@ -145,19 +145,12 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
             "--preset paper --smoke --data-root FIXTURE --weights-root WEIGHTS --out DIR",
         ),
     )
-    parser.add_argument(
-        "--preset",
-        choices=configs_module.PRESETS,
-        default="cpu",
-        help="; ".join(f"{name}: {what}" for name, what in configs_module.PRESETS.items()),
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs") / name,
-        metavar="DIR",
-        help="output folder: one rho<ρ>/ per ρ (results.json, results.md, plots, stages/), "
-        "results.json with every ρ and results.md with the utility against ρ and every table",
+    add_preset_option(parser, configs_module.PRESETS)
+    add_out_option(
+        parser,
+        name,
+        "one rho<ρ>/ per ρ (results.json, results.md, plots, stages/), results.json with every"
+        " ρ and results.md with the utility against ρ and every table",
     )
     parser.add_argument(
         "--data-root",
@@ -178,9 +171,7 @@ def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
         "methods, but 1-2 steps of one or two units per stage, one ρ, one seed and ε = 1 (a "
         "test that the paper path runs on a small folder; its perplexities mean nothing)",
     )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
+    add_run_options(parser)
     args = parser.parse_args(argv)
     if args.smoke and args.preset != "paper":
         parser.error("--smoke applies to --preset paper")

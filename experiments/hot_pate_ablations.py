@@ -49,9 +49,9 @@ from dpmix_jax.pate.teachers import sampled_logits  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from experiments.common_args import (  # noqa: E402
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
+    add_out_option,
+    add_preset_option,
+    add_run_options,
     experiment_main,
     experiment_parser,
     with_common_options,
@@ -712,22 +712,9 @@ def cli(argv: list[str] | None = None) -> dict:
         __doc__.splitlines()[0],
         examples=("--out runs/hot_pate_ablations --reproducible", "--preset tiny --out runs/tiny"),
     )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "tiny"),
-        help="cpu: n = 512 teachers, V = 2000, r = 1000; tiny: a test run",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/hot_pate_ablations"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, hot_pate_ablations.png",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser, single=True)
-    add_quiet_flag(parser)
+    add_preset_option(parser, {"cpu": "n = 512 teachers, V = 2000, r = 1000", "tiny": "a test run"})
+    add_out_option(parser, "hot_pate_ablations", "results.json, results.md, hot_pate_ablations.png")
+    add_run_options(parser, single_seed=True)
     args = parser.parse_args(argv)
     config = with_common_options(configs.get_config(args.preset), args)
     return main(config, args.out, reproducible=args.reproducible)

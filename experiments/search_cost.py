@@ -45,9 +45,9 @@ from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from dpmix_jax.privacy.plan import plan_dp_sgd  # noqa: E402
 from experiments import k_scaling  # noqa: E402
 from experiments.common_args import (  # noqa: E402
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
+    add_out_option,
+    add_preset_option,
+    add_run_options,
     experiment_main,
     experiment_parser,
     with_common_options,
@@ -423,22 +423,11 @@ def cli(argv: list[str] | None = None) -> dict:
         __doc__.splitlines()[0],
         examples=("--out runs/search_cost --reproducible", "--preset tiny --out runs/tiny"),
     )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "tiny"),
-        help="cpu: k in {2, ..., 64}, 5 seeds, n = 20,000; tiny: a seconds-long test run",
+    add_preset_option(
+        parser, {"cpu": "k in {2, ..., 64}, 5 seeds, n = 20,000", "tiny": "a seconds-long test run"}
     )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/search_cost"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, search_cost.png",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
+    add_out_option(parser, "search_cost", "results.json, results.md, search_cost.png")
+    add_run_options(parser)
     args = parser.parse_args(argv)
     config = with_common_options(configs.get_config(args.preset), args)
     return main(config, args.out, reproducible=args.reproducible)

@@ -41,9 +41,9 @@ from dpmix_jax.pate.peers import reference  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from experiments.common_args import (  # noqa: E402
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
+    add_out_option,
+    add_preset_option,
+    add_run_options,
     experiment_main,
     experiment_parser,
     with_common_options,
@@ -593,18 +593,12 @@ def cli(argv: list[str] | None = None) -> dict:
             "--preset tiny --out runs/tiny",
         ),
     )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "tiny"),
-        help="cpu: 5 methods, ε in {1, 3, 10}, 3 seeds, 64 teachers per topic; tiny: a test run",
+    add_preset_option(
+        parser,
+        {"cpu": "5 methods, ε in {1, 3, 10}, 3 seeds, 64 teachers per topic", "tiny": "a test run"},
     )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/text_peers"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, samples.jsonl, text_peers.png, stages/",
+    add_out_option(
+        parser, "text_peers", "results.json, results.md, samples.jsonl, text_peers.png, stages/"
     )
     parser.add_argument(
         "--rescore",
@@ -612,9 +606,7 @@ def cli(argv: list[str] | None = None) -> dict:
         help="recompute the measures of the finished run in --out from its samples.jsonl, "
         "without generating again",
     )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
+    add_run_options(parser)
     args = parser.parse_args(argv)
     config = with_common_options(configs.get_config(args.preset), args)
     if args.rescore:
