@@ -780,11 +780,11 @@ def main(argv: list[str] | None = None) -> int:
 
     Bad input and Ctrl-C end with one line on stderr and no traceback (see `one_line_errors`).
     """
-    checkout.pin_commit()  # the results name the code the run started from
     parser = _parser()
     try:
         # Ctrl-C while the demo's arguments are checked (loading the library) also ends here.
         with one_line_errors(parser.prog):
+            checkout.pin_commit()  # the results name the code the run started from
             args, extra = parser.parse_known_args(argv)
             if args.command in _SHORTCUTS:
                 args.args = extra
