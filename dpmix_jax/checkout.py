@@ -1,17 +1,20 @@
 """The commit of the checkout a run's code comes from, read once when the run starts.
 
-A run records the commit it started from (`pin_commit`, called by `dpmix` and by every
+A run records the commit it started from (`pinned_commit`, entered by `dpmix` and by every
 experiment's command line before any work), so that editing the tree while it runs does not
-relabel its results; child processes inherit the pinned value through the environment.
+relabel its results; child processes inherit the pinned value through the environment, and the
+pin ends with the run, so that a later run in the same process reads the commit afresh.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import subprocess
+from collections.abc import Iterator
 
-__all__ = ["PINNED_ENV", "commit", "pin_commit"]
+__all__ = ["PINNED_ENV", "commit", "pinned_commit"]
 
 PINNED_ENV = "DPMIX_RUN_COMMIT"
 
@@ -33,11 +36,18 @@ def _read_commit() -> str | None:
     return head + ("+modified" if modified else "")
 
 
-def pin_commit() -> None:
-    """Reads the commit now; `commit()` returns it for the rest of the process (and its
-    children). A commit pinned by a parent process is kept."""
-    if PINNED_ENV not in os.environ:
-        os.environ[PINNED_ENV] = _read_commit() or ""
+@contextlib.contextmanager
+def pinned_commit() -> Iterator[None]:
+    """Within the block, `commit()` returns the commit read on entry (for child processes too).
+    A commit pinned by an enclosing block or a parent process is kept."""
+    if PINNED_ENV in os.environ:
+        yield
+        return
+    os.environ[PINNED_ENV] = _read_commit() or ""
+    try:
+        yield
+    finally:
+        os.environ.pop(PINNED_ENV, None)
 
 
 def commit() -> str | None:

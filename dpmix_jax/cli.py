@@ -783,8 +783,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         # Ctrl-C while the demo's arguments are checked (loading the library) also ends here.
-        with one_line_errors(parser.prog):
-            checkout.pin_commit()  # the results name the code the run started from
+        # The results name the code the run started from.
+        with one_line_errors(parser.prog), checkout.pinned_commit():
             args, extra = parser.parse_known_args(argv)
             if args.command in _SHORTCUTS:
                 args.args = extra

@@ -71,8 +71,11 @@ def experiment_main(name: str) -> Iterator[None]:
     before loading any data.
     """
     global _experiment_locks
-    with cli.one_line_errors(cli.experiment_program(name)), contextlib.ExitStack() as locks:
-        checkout.pin_commit()  # the results name the code the run started from
+    with (
+        cli.one_line_errors(cli.experiment_program(name)),
+        checkout.pinned_commit(),  # the results name the code the run started from
+        contextlib.ExitStack() as locks,
+    ):
         previous, _experiment_locks = _experiment_locks, locks
         try:
             yield

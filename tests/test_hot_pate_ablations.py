@@ -57,7 +57,7 @@ def test_many_answers_estimate_the_distribution():
     "kwargs, message",
     [
         ({"num_samples": 0}, "num_samples"),
-        ({"num_samples": 2.0}, "num_samples"),
+        ({"num_samples": 2.5}, "num_samples"),
         ({"num_samples": 2, "temperature": 0.0}, "temperature"),
     ],
 )
@@ -85,6 +85,13 @@ def test_threshold_at_coverage_matches_a_scan_of_every_threshold():
         )
     with pytest.raises(ValueError, match="level"):
         metrics.threshold_at_coverage(np.ones((2, 2), int), 0.0)
+    for bad, message in (
+        (np.array([[3, 1], [2, 1]]), "same n"),  # rows of different sizes
+        (np.array([[5, -1], [2, 2]]), "integers >= 0"),
+        (np.array([[1.5, 2.5], [2.0, 2.0]]), "integers >= 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            metrics.threshold_at_coverage(bad, 0.5)
 
 
 def test_dpws_epsilon_at_inverts_the_keep_threshold():

@@ -244,3 +244,9 @@ def test_text_smoke_writes_the_results_table(configs, data, tmp_path, compilatio
         (out / f"rho{rho:g}" / "results.json").read_text()
     )
     assert all(f"| {METHOD_NAMES[m]}" in table for m in smoke.methods)
+    summary["provenance"]["command"] = "the computing run"
+    (out / "results.json").write_text(json.dumps(summary))
+    enron.main(config, out, reproducible=True)  # every stage read back: the origin stays
+    assert json.loads((out / "results.json").read_text())["provenance"]["command"] == (
+        "the computing run"
+    )

@@ -112,10 +112,18 @@ def threshold_at_coverage(
         level: the coverage to reach, in (0, 1].
         thresholds: candidate thresholds; None means every integer 1..n.
     """
-    counts = np.asarray(_check(histograms)).astype(np.int64)
+    counts = np.asarray(_check(histograms))
     if not 0 < level <= 1:
         raise ValueError(f"level must be in (0, 1], got {level!r}.")
-    n = int(counts[0].sum())
+    if counts.size == 0 or (counts < 0).any() or (counts != np.round(counts)).any():
+        raise ValueError("histograms must be non-empty counts: integers >= 0.")
+    counts = counts.astype(np.int64)
+    totals = counts.sum(axis=1)
+    if (totals != totals[0]).any() or totals[0] < 1:
+        raise ValueError(
+            f"every histogram must hold the same n >= 1 votes, got row sums {sorted(set(totals))}."
+        )
+    n = int(totals[0])
     mass = np.bincount(counts.ravel(), weights=counts.ravel(), minlength=n + 2)
     tail = np.cumsum(mass[::-1])[::-1] / (counts.shape[0] * n)  # tail[v]: coverage at T = v
     if thresholds is None:

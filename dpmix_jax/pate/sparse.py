@@ -2,7 +2,7 @@
 
 Each step first asks a private gate whether the histogram's top count clears a threshold; only a
 step that passes selects a token. The gate is the sparse vector technique with `c` positive
-answers (Lyu, Su and Li 2017, Algorithm 1; Dwork and Roth, Theorem 3.25): its privacy cost
+answers (Lyu, Su and Li 2017, Algorithm 1, whose threshold noise is drawn once): its privacy cost
 is fixed by `c`, however many steps fail it, and it answers nothing once `c` steps have
 passed. A run of any length is therefore charged the gate plus `c` selections.
 
@@ -126,18 +126,17 @@ def step(
 
     Privacy:
         Reads the (sensitive) histogram. A run of any number of steps from one `start` is
-        charged `epsilon(config, delta)`; a second run on the same data is charged again.
+        charged `epsilon(config, delta)` only if every step gets the state the previous step
+        returned: feeding an earlier state again reopens answers the cap has counted, which the
+        charge does not cover. A second run on the same data is charged again.
     """
     key_gate, key_select = jax.random.split(key)
     counts = jnp.asarray(counts)
     noisy_top = jnp.max(counts) + config.query_scale * jax.random.laplace(key_gate, (), jnp.float32)
     open_ = state.answered < config.max_answers
     passed = open_ & (noisy_top >= state.noisy_threshold)
-    if config.selection == "argmax":
-        noise = (2.0 / config.select_epsilon) * jax.random.laplace(
-            key_select, counts.shape, jnp.float32
-        )
-        chosen = jnp.argmax(counts + noise).astype(jnp.int32)
+    if config.selection == "argmax":  # DPARGMAX without a threshold: report noisy max
+        chosen = aggregators.dpargmax_laplace(key_select, counts, -jnp.inf, config.select_epsilon)
     else:
         chosen = aggregators.dpws(
             key_select, counts, config.select_epsilon, config.select_delta, 1.0

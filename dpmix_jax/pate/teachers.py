@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from dpmix_jax.models.gpt2 import GPT2
+from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy.parts import UnitId, assign_parts
 
 __all__ = [
@@ -260,8 +261,7 @@ def sampled_logits(
     """
     if getattr(logits, "ndim", None) != 2:
         raise ValueError(f"logits must have shape (n, V), got {getattr(logits, 'shape', None)}.")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+    num_samples = privacy.check_steps(num_samples, "num_samples")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}.")
     n, vocab = logits.shape
