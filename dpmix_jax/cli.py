@@ -589,7 +589,8 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "generate",
         help="private synthetic text from a folder of documents with Hot PATE",
         description=textwrap.fill(
-            "Splits the documents among in-context teachers over a public GPT-2 (a unit is a "
+            "Splits the documents among teachers over a public GPT-2, in context or fine-tuned "
+            "(a unit is a "
             "document, or a user when the records carry a user field), calibrates the "
             "aggregator's noise to --epsilon at --delta for the longest possible run, and "
             "writes the samples (samples.jsonl) and the ε the accountant gives for the calls "
@@ -602,6 +603,7 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
             "",
             "--documents notes/ --num-teachers 64 --model gpt2-folder/ --prompt 'Dear'",
             "--num-samples 8 --method independent --seed 0 --out runs/generate_seeded",
+            "--teachers fine-tuned --out runs/generate_fine_tuned",
         ),
         formatter_class=HelpFormatter,
     )
@@ -648,6 +650,21 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         "--max-new-tokens", type=int, default=16, metavar="T", help="tokens per sample at most"
     )
     generate.add_argument(
+        "--teachers",
+        choices=("in-context", "fine-tuned"),
+        default="in-context",
+        help="in-context: each teacher reads its documents in its prompt (as many as fit the "
+        "context); fine-tuned: each teacher trains its own LoRA adapter on the last block of "
+        "the public model on all of its documents",
+    )
+    generate.add_argument(
+        "--tuning-steps",
+        type=int,
+        default=None,
+        metavar="S",
+        help="with --teachers fine-tuned: full-batch Adam steps per teacher (default 30)",
+    )
+    generate.add_argument(
         "--num-teachers",
         type=int,
         default=None,
@@ -686,6 +703,10 @@ def _generate(args: argparse.Namespace) -> int:
     )
     for name in ("num_samples", "max_new_tokens"):
         accounting.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
+    if args.tuning_steps is not None:
+        if args.teachers != "fine-tuned":
+            raise ValueError("argument --tuning-steps: applies to --teachers fine-tuned")
+        accounting.check_steps(args.tuning_steps, "argument --tuning-steps")
     if args.documents is not None and args.num_teachers is None:
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "
@@ -701,7 +722,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from dpmix_jax.pate import public, synthesize
+    from dpmix_jax.pate import finetuned, public, synthesize
     from dpmix_jax.privacy import randomness
 
     start = time.time()
@@ -721,6 +742,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     else:
         model = public.load_public_model(args.model)
     key = None if args.seed is None else randomness.prng_key(args.seed)
+    tuning = None
+    if args.tuning_steps is not None:
+        tuning = finetuned.TeacherTuning(steps=args.tuning_steps)
+    if args.teachers == "fine-tuned":
+        log("fine-tuning one adapter per teacher on its own documents")
     bar = tqdm(total=args.num_samples * args.max_new_tokens, unit="tok", disable=args.quiet)
     with bar:
         result = synthesize.synthesize(
@@ -736,6 +762,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             num_teachers=_TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers,
             max_new_tokens=args.max_new_tokens,
             on_step=lambda: bar.update(1),
+            teachers=args.teachers.replace("-", "_"),
+            tuning=tuning,
         )
         bar.total = bar.n  # samples that ended early leave steps unrun
         bar.refresh()
@@ -755,6 +783,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         "aggregator": args.aggregator,
         "max_new_tokens": args.max_new_tokens,
         "num_teachers": args.num_teachers,
+        "teachers": args.teachers,
+        "tuning_steps": args.tuning_steps,
         "seed": args.seed,
     }
     report = {"settings": settings, **result.report(), "seconds": time.time() - start}

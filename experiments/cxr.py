@@ -11,13 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 
 import numpy as np
 
 from dpmix_jax.data import cxr
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
+from dpmix_jax.pipeline.common import METHODS as METHOD_ORDER
 from dpmix_jax.pipeline.common import use_compilation_cache
-from dpmix_jax.pipeline.compare import summarize
+from dpmix_jax.pipeline.compare import (
+    METHOD_NAMES,
+    keep_provenance_of_computing_run,
+    provenance,
+    summarize,
+)
 from dpmix_jax.privacy import SEEDED_NOTE
 from experiments.common_args import (
     add_chest_xray_roots,
@@ -77,12 +84,36 @@ def macro_table(per_task: dict[str, dict], privacy_unit: str) -> dict[str, dict]
             cells.setdefault((method, eps), []).append(row["mean"])
     return {
         f"{m} eps={e:g}": {
+            "method": m,
+            "epsilon": e,
             "macro_auc": float(np.mean(v)),
             "tasks": len(v),
             "privacy_unit": privacy_unit,
         }
         for (m, e), v in sorted(cells.items())
     }
+
+
+def macro_markdown(summary: dict) -> str:
+    """The macro AUC table, one row per method and one column per ε, with its caption."""
+    macro, unit = summary["macro"], summary["privacy_unit"]
+    epsilons = sorted({row["epsilon"] for row in macro.values()})
+    methods = list(dict.fromkeys(row["method"] for row in macro.values()))
+    cells = {(row["method"], row["epsilon"]): row for row in macro.values()}
+    tasks = max(row["tasks"] for row in macro.values())
+    lines = [
+        f"Macro test AUC over {tasks} tasks ({summary['dataset']}; each task's mean over "
+        f"{summary['seeds']} seeds; higher is better):",
+        "",
+        "| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |",
+        "|---|" + "---|" * len(epsilons),
+    ]
+    for method in sorted(methods, key=METHOD_ORDER.index):
+        row = [cells.get((method, e)) for e in epsilons]
+        values = [f"{r['macro_auc']:.4f}" if r else "" for r in row]
+        lines.append(f"| {METHOD_NAMES[method]} | " + " | ".join(values) + " |")
+    lines += ["", f"Each ε is an (ε, δ = {summary['delta']:g}) guarantee {unit}."]
+    return "\n".join(lines)
 
 
 def main(
@@ -93,8 +124,11 @@ def main(
     progress: bool = True,
     **roots: pathlib.Path,
 ) -> dict:
-    """Runs every task's comparison and writes `macro.json` and `macro.md` to `out_dir`, each
-    naming the privacy unit of its ε (`image.privacy_unit_label`)."""
+    """Runs every task's comparison (under `out_dir/task<i>/`) and writes `results.json` (the
+    macro AUCs, the run time and the provenance) and `results.md` to `out_dir`, each naming the
+    privacy unit of its ε (`image.privacy_unit_label`); returns the macro AUCs."""
+    out_dir = pathlib.Path(out_dir)
+    start = time.time()
     if config.public == "digits":
         tasks = presets.digit_tasks(image_size=config.image_size, num_tasks=config.tasks)
     else:
@@ -118,15 +152,25 @@ def main(
             privacy_unit=unit,
             progress=progress,
         )
-    macro = macro_table(per_task, unit)
-    (out_dir / "macro.json").write_text(json.dumps(macro, indent=1))
-    lines = [f"| method, ε {unit} | macro AUC | tasks |", "|---|---|---|"]
-    lines += [f"| {k} | {v['macro_auc']:.4f} | {v['tasks']} |" for k, v in macro.items()]
-    lines += ["", f"Each ε is an (ε, δ = {config.pipeline.delta:g}) guarantee {unit}."]
-    lines += ["", SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."]
-    (out_dir / "macro.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return macro
+    summary = {
+        "dataset": "digits stand-in" if config.public == "digits" else f"NIH <- {config.public}",
+        "metric": "macro test AUC",
+        "macro": macro_table(per_task, unit),
+        "privacy_unit": unit,
+        "delta": config.pipeline.delta,
+        "seeds": len(config.seeds),
+        "tasks": list(per_task),
+        "noise_seeded": reproducible,
+        "seconds": time.time() - start,
+        "provenance": provenance(),
+    }
+    keep_provenance_of_computing_run(summary, out_dir / "results.json", key="macro")
+    table = macro_markdown(summary)
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    randomness = SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."
+    (out_dir / "results.md").write_text(f"{table}\n\n{randomness}\n")
+    print(table)
+    return summary["macro"]
 
 
 def cli(public: str, argv: list[str] | None = None) -> dict:
@@ -154,7 +198,7 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
         type=pathlib.Path,
         default=pathlib.Path(f"runs/nih_{public}"),
         metavar="DIR",
-        help="output folder: task<i>/ (one comparison per finding), macro.json, macro.md",
+        help="output folder: task<i>/ (one comparison per finding), results.json, results.md",
     )
     add_chest_xray_roots(parser, public=public)
     parser.add_argument(

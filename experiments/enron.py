@@ -20,7 +20,7 @@ import numpy as np
 
 from dpmix_jax.pipeline import run_comparison
 from dpmix_jax.pipeline.common import use_compilation_cache
-from dpmix_jax.pipeline.compare import METHOD_NAMES, provenance
+from dpmix_jax.pipeline.compare import METHOD_NAMES, keep_provenance_of_computing_run, provenance
 from dpmix_jax.pipeline.text import (
     DomainTextTask,
     TextPipeline,
@@ -100,25 +100,10 @@ def main(
         "seconds": time.time() - start,
         "provenance": provenance(),
     }
-    _keep_provenance_of_computing_run(summary, out_dir / "results.json")
+    keep_provenance_of_computing_run(summary, out_dir / "results.json", key="per_rho")
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2, default=str))
     (out_dir / "results.md").write_text(rho_markdown(summary) + "\n\n" + "\n".join(tables))
     return results
-
-
-def _keep_provenance_of_computing_run(summary: dict, path: pathlib.Path) -> None:
-    """A rerun whose every ρ's results (each with the provenance of the run that computed it)
-    equal those of the summary in `path` computed nothing: it keeps that summary's provenance
-    and time."""
-    try:
-        previous = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):  # nothing to keep: it is rewritten
-        return
-    same = json.dumps(previous.get("per_rho"), sort_keys=True, default=str) == json.dumps(
-        summary["per_rho"], sort_keys=True, default=str
-    )
-    if same and "provenance" in previous:
-        summary["provenance"], summary["seconds"] = previous["provenance"], previous["seconds"]
 
 
 def rho_markdown(summary: dict) -> str:

@@ -130,6 +130,13 @@ def _run_key(seed: int, *, reproducible: bool) -> jax.Array:
     return randomness.prng_key(seed if reproducible else randomness.secret_seed())
 
 
+def _teachers(config: configs.TextPeersConfig) -> dict:
+    """The teachers' kind and, for fine-tuned teachers, their tuning."""
+    if config.teachers == "fine_tuned":
+        return {"teachers": "fine_tuned", "tuning": config.tuning}
+    return {"teachers": config.teachers}
+
+
 def private_run(
     config: configs.TextPeersConfig,
     model: public.PublicTextModel,
@@ -161,6 +168,7 @@ def private_run(
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
             separator=SEPARATOR,
+            **_teachers(config),
         )
         seconds += time.perf_counter() - start
         lines += [text.strip() for text in result.texts]
@@ -203,6 +211,7 @@ def reference_run(
             max_new_tokens=config.max_new_tokens,
             key=jax.random.fold_in(topic_key, 0),
             separator=SEPARATOR,
+            **(_teachers(config) if which == "nonprivate" else {}),  # ε = 0 reads no teacher
         )
         settings = dict(
             prompt=ensemble.prompt_ids,
@@ -341,7 +350,7 @@ def main(
     featurize = _featurizer(model)
     rows, samples = [], []
     plan = [(m, e) for m in config.methods for e in config.epsilons]
-    plan += [(r, None) for r in configs.REFERENCES]
+    plan += [(r, None) for r in config.references]
     for seed in config.seeds:
         for method, epsilon in plan:
             if epsilon is None:
@@ -433,7 +442,9 @@ def rescore(config: configs.TextPeersConfig, out: pathlib.Path) -> dict:
         raise ValueError(f"{out} holds no finished run (results.json and samples.jsonl)")
     stored = json.loads((out / "results.json").read_text())
     mine = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-    if {k: v for k, v in stored["config"].items() if k != "progress"} != {
+    # A setting added after the run was stored ran at its default then.
+    defaults = json.loads(json.dumps(dataclasses.asdict(configs.TextPeersConfig()), default=str))
+    if {k: v for k, v in {**defaults, **stored["config"]}.items() if k != "progress"} != {
         k: v for k, v in mine.items() if k != "progress"
     }:
         raise ValueError(f"the run in {out} was made with other settings than these")
@@ -480,17 +491,35 @@ def _epsilon_label(entry: dict) -> str:
     return "-" if epsilon is None else f"{epsilon:g}"
 
 
+def _teacher_label(config: configs.TextPeersConfig) -> str:
+    if config.teachers == "fine_tuned":
+        tuning = config.tuning
+        return (
+            f"fine-tuned teachers (each a rank-{tuning.lora.rank} LoRA adapter on the last"
+            f" {tuning.last_blocks} block(s), {tuning.steps} full-batch Adam steps on its own"
+            " sentences)"
+        )
+    return "in-context teachers"
+
+
+def _texts_per_epsilon(config: configs.TextPeersConfig, entry: dict) -> str:
+    """Lines written per topic over the ε they spent (the references spend 0 or ∞: "-")."""
+    if entry["target_epsilon"] is None:
+        return "-"
+    return f"{config.lines_per_topic / entry['epsilon_spent']:.1f}"
+
+
 def markdown(config: configs.TextPeersConfig, results: dict) -> str:
     """The results as a titled markdown page: the head-to-head table and the setting."""
     lines = [
         f"# {TITLE}",
         "",
-        "| method | ε target | ε spent | downstream accuracy | topic fidelity | MAUVE | words in"
-        " public vocabulary | distinct-2 | tokens/s | time / teachers' forward | teacher passes"
-        " per token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| method | ε target | ε spent | texts per ε | downstream accuracy | topic fidelity |"
+        " MAUVE | words in public vocabulary | distinct-2 | tokens/s | time / teachers' forward |"
+        " teacher passes per token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = {m: i for i, m in enumerate((*config.methods, *configs.REFERENCES))}
+    order = {m: i for i, m in enumerate((*config.methods, *config.references))}
     summary = sorted(
         results["summary"],
         key=lambda e: (order[e["method"]], e["target_epsilon"] or 0.0),
@@ -498,7 +527,8 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
     for entry in summary:
         lines.append(
             f"| {LABELS[entry['method']]} | {_epsilon_label(entry)} |"
-            f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'accuracy')} |"
+            f" {entry['epsilon_spent']:.3g} | {_texts_per_epsilon(config, entry)} |"
+            f" {_cell(entry, 'accuracy')} |"
             f" {_cell(entry, 'topic_fidelity')} |"
             f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'vocabulary_share')} |"
             f" {_cell(entry, 'distinct_2')} | {entry['tokens_per_second']['mean']:.0f} |"
@@ -508,14 +538,16 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
     tests = sum(results["test_sentences"].values())
     lines += [
         "",
-        f"Setting: {len(config.topics)} BBC topics; per topic {config.num_teachers} in-context"
-        f" teachers over the public GPT-2 ({results['model']['parameters']:,} parameters,"
-        f" per-token perplexity {results['model']['heldout_perplexity']:.1f} on the test"
+        f"Setting: {len(config.topics)} BBC topics; per topic {config.num_teachers}"
+        f" {_teacher_label(config)} over the public GPT-2"
+        f" ({results['model']['parameters']:,} parameters, per-token perplexity"
+        f" {results['model']['heldout_perplexity']:.1f} on the test"
         " sentences) share the sentences of half of the topic's held-out"
         f" articles (one sentence is one unit); every method writes {config.lines_per_topic}"
         f" lines of at most {config.max_new_tokens} tokens per topic at the target (ε, δ ="
         f" {config.delta:g}) by its own analysis (ε spent: the largest over seeds of the run's"
-        " ε, the topics' disjoint data composing in parallel). Downstream accuracy: TF-IDF +"
+        " ε, the topics' disjoint data composing in parallel; texts per ε: the lines written per"
+        " topic over that ε, at the run's calibration). Downstream accuracy: TF-IDF +"
         f" logistic regression trained on the synthetic lines, tested on {tests} real"
         " sentences of the other held-out articles (chance"
         f" {1 / len(config.topics):.2f}); topic fidelity: the share of synthetic lines that the"
@@ -566,15 +598,17 @@ def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> 
                 label=LABELS[method],
             )
         for which, style in (("public", ":"), ("nonprivate", "--")):
-            entry = next(e for e in results["summary"] if e["method"] == which)
-            ax.axhline(entry[name]["mean"], color="k", linestyle=style, label=LABELS[which])
+            entry = next((e for e in results["summary"] if e["method"] == which), None)
+            if entry is not None:
+                ax.axhline(entry[name]["mean"], color="k", linestyle=style, label=LABELS[which])
         ax.set(xscale="log", xlabel="ε (each topic's run; δ fixed)", ylabel=label)
         ax.set_xticks(config.epsilons, [f"{e:g}" for e in config.epsilons])
     for ax in axes[:2]:
         ax.axhline(1 / len(config.topics), color="0.6", linewidth=0.8, label="chance")
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        f"Topic-conditioned lines, {config.num_teachers} teachers per topic; error bars: std"
+        f"Topic-conditioned lines, {config.num_teachers} {_teacher_label(config).split(' (')[0]}"
+        " per topic; error bars: std"
         f" over {len(config.seeds)} seeds",
         fontsize=10,
     )
@@ -590,13 +624,11 @@ def cli(argv: list[str] | None = None) -> dict:
         examples=(
             "--out runs/text_peers --reproducible",
             "--out runs/text_peers --rescore",
+            "--preset fine_tuned --out runs/text_peers_fine_tuned --reproducible",
             "--preset tiny --out runs/tiny",
         ),
     )
-    add_preset_option(
-        parser,
-        {"cpu": "5 methods, ε in {1, 3, 10}, 3 seeds, 64 teachers per topic", "tiny": "a test run"},
-    )
+    add_preset_option(parser, configs.PRESETS)
     add_out_option(
         parser, "text_peers", "results.json, results.md, samples.jsonl, text_peers.png, stages/"
     )

@@ -407,9 +407,10 @@ def test_experiment_command_names_the_unit(roots, tmp_path, monkeypatch, capsys,
     macro = cxr_experiment.cli("chexpert", argv)
     assert sorted(macro) == ["dp_mixmin eps=1", "uniform eps=1"]
     assert all(row["privacy_unit"] == label for row in macro.values())
-    assert json.loads((out / "macro.json").read_text()) == macro
-    table = (out / "macro.md").read_text()
-    assert f"| method, ε {label} | macro AUC | tasks |" in table
+    summary = json.loads((out / "results.json").read_text())
+    assert summary["macro"] == macro and summary["privacy_unit"] == label
+    table = (out / "results.md").read_text()
+    assert "| method | ε = 1 |" in table and "| DP-MixMin | " in table
     assert f"guarantee {label}." in table
     assert f"guarantee {label}." in capsys.readouterr().out
     results = json.loads((out / "task0" / "results.json").read_text())
@@ -440,7 +441,7 @@ def test_bad_unit_flags_are_one_line_errors(flags, message, capsys):
 @pytest.mark.slow
 def test_paper_smoke_runs_at_patient_level(roots, tmp_path):
     """`--preset paper --smoke --privacy-unit patient`: the paper's models and all five methods,
-    patient level in both private stages, through to macro.md."""
+    patient level in both private stages, through to results.md."""
     out = tmp_path / "out"
     argv = ["--preset", "paper", "--smoke", "--reproducible", "--out", str(out)]
     argv += ["--privacy-unit", "patient", "--max-images-per-patient", "2"]
@@ -448,7 +449,7 @@ def test_paper_smoke_runs_at_patient_level(roots, tmp_path):
     macro = cxr_experiment.cli("chexpert", argv)
     label = "per patient (user-level, up to 2 images)"
     assert len(macro) == 5 and all(row["privacy_unit"] == label for row in macro.values())
-    assert f"guarantee {label}." in (out / "macro.md").read_text()
+    assert f"guarantee {label}." in (out / "results.md").read_text()
     results = json.loads((out / "task0" / "results.json").read_text())
     for run in results["runs"]:
         budget = 2 if run["method"] == "random_search" else 1

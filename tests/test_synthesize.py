@@ -18,7 +18,7 @@ from scipy import optimize, stats
 from dpmix_jax import cli
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate import public, synthesize
+from dpmix_jax.pate import finetuned, public, synthesize
 from dpmix_jax.privacy.parts import assign_parts
 
 TEXTS = [
@@ -169,6 +169,8 @@ def test_a_key_makes_the_run_reproducible(model):
         ({"method": "lukewarm"}, "method must be one of coordinated, independent, invisibleink"),
         ({"max_new_tokens": 70}, "leave no room for documents"),
         ({"separator": ""}, "separator must be a non-empty string"),
+        ({"teachers": "distilled"}, "teachers must be one of in_context, fine_tuned"),
+        ({"tuning": finetuned.TeacherTuning()}, "tuning applies to teachers='fine_tuned'"),
     ],
 )
 def test_bad_settings_give_one_line(model, change, message):
@@ -314,6 +316,11 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
         (["--model", "{tmp}"], "is not a GPT-2: config.json"),
         (["--documents", "{tmp}"], "holds no documents"),
         (["--num-teachers", ""], "argument --num-teachers: required with --documents"),
+        (["--tuning-steps", "3"], "argument --tuning-steps: applies to --teachers fine-tuned"),
+        (
+            ["--teachers", "fine-tuned", "--tuning-steps", "0"],
+            "argument --tuning-steps must be an integer >= 1",
+        ),
     ],
 )
 def test_dpmix_generate_bad_input_is_one_line(tmp_path, capsys, extra, message):
@@ -391,3 +398,36 @@ def test_each_document_is_followed_by_the_separator_in_its_teachers_prompt(model
         prompt = prompt or [tokenizer.eos_id]
         direct = model.model(jnp.asarray([prompt], jnp.int32))[0, -1]
         np.testing.assert_allclose(logits[teacher], direct, rtol=1e-4, atol=1e-4)
+
+
+def test_fine_tuned_teachers_read_every_document_and_stay_within_the_target(model):
+    tuning = finetuned.TeacherTuning(steps=2, chunk=2)
+    result = _run(model, teachers="fine_tuned", tuning=tuning, prompt="Meeting")
+    assert result.teachers == "fine_tuned" and result.documents_in_prompts == len(TEXTS)
+    assert all(text.startswith("Meeting") for text in result.texts)
+    assert 0 < result.epsilon <= result.planned_epsilon <= 2.0
+    again = _run(model, teachers="fine_tuned", tuning=tuning, prompt="Meeting")
+    assert again.texts == result.texts  # the key fixes the partition, training and noise
+
+
+def test_fine_tuned_teachers_are_trained_on_their_own_units(model):
+    """Teacher i of the fine-tuned ensemble equals a teacher fine-tuned on teacher i's part
+    alone: the partition is the in-context one, and no other unit reaches its adapter."""
+    tuning = finetuned.TeacherTuning(steps=3, chunk=2)
+    key = jax.random.key(3)
+    ensemble = synthesize.build_ensemble(
+        _docs(), model, num_teachers=3, max_new_tokens=4, key=key, teachers="fine_tuned",
+        tuning=tuning, separator="\n",
+    )  # fmt: skip
+    partition_key = np.asarray(jax.random.key_data(key)).tobytes()
+    parts = synthesize.teacher_parts(_docs(), 3, key=partition_key)
+    encoded = model.tokenizer.encode_batch(TEXTS)
+    context = [model.tokenizer.eos_id]
+    end = model.tokenizer.encode("\n")
+    logits = ensemble.teachers([5, 6])
+    for i, part in enumerate(parts):
+        alone = finetuned.finetune_teachers(
+            model.model, [encoded[j] for j in part], [list(range(len(part))), []],
+            context=context, end=end, tuning=tuning,
+        )  # fmt: skip
+        np.testing.assert_allclose(logits[i], alone([5, 6])[0], rtol=1e-4, atol=1e-4)

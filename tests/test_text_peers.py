@@ -10,6 +10,7 @@ import pathlib
 import pytest
 
 from dpmix_jax.pate import public
+from dpmix_jax.pate.finetuned import TeacherTuning
 from experiments import text_peers
 from experiments.configs import text_peers as configs
 
@@ -24,9 +25,35 @@ def test_config_rejects_bad_settings():
         ({"topics": ("business",)}, "topics"),
         ({"num_teachers": 1}, "num_teachers"),
         ({"min_chars": 50, "max_chars": 40}, "min_chars"),
+        ({"teachers": "distilled"}, "teachers must be one of"),
+        ({"references": ("oracle",)}, "references must be a subset"),
     ):
         with pytest.raises(ValueError, match=match):
             configs.TextPeersConfig(**settings)
+
+
+@pytest.mark.slow
+def test_a_tiny_fine_tuned_run_names_its_teachers(tmp_path):
+    tiny = configs.get_config("tiny")
+    config = configs.TextPeersConfig(
+        **{
+            **vars(tiny),
+            "methods": ("hot_pate",),
+            "references": ("nonprivate",),
+            "teachers": "fine_tuned",
+            "tuning": TeacherTuning(steps=2),
+        }
+    )
+    results = text_peers.main(config, tmp_path, reproducible=True)
+    assert [r["method"] for r in results["rows"]] == ["hot_pate", "nonprivate"]
+    assert 0 < results["rows"][0]["epsilon"] <= config.epsilons[0]
+    table = (tmp_path / "results.md").read_text()
+    assert "8 fine-tuned teachers (each a rank-8 LoRA adapter on the last 1 block(s), 2" in table
+    assert "public model (ε = 0)" not in table
+    stored = json.loads((tmp_path / "results.json").read_text())
+    assert stored["config"]["teachers"] == "fine_tuned"
+    rebuilt = configs.TextPeersConfig(**_config_fields(stored["config"]))
+    assert rebuilt == config
 
 
 def test_topic_data_keeps_teachers_and_test_apart():
@@ -96,10 +123,15 @@ def test_the_stored_run_holds_every_method_epsilon_and_seed():
 
 
 def _config_fields(stored: dict) -> dict:
+    from dpmix_jax.models.lora import LoraConfig
+    from dpmix_jax.pate.finetuned import TeacherTuning
     from dpmix_jax.pate.public import TextDefaultModel
 
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
     fields["model"] = TextDefaultModel(**stored["model"])
+    if "tuning" in stored:
+        tuning = stored["tuning"]
+        fields["tuning"] = TeacherTuning(**{**tuning, "lora": LoraConfig(**tuning["lora"])})
     return fields
 
 

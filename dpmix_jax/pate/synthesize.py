@@ -35,7 +35,8 @@ import dp_accounting
 import jax
 import numpy as np
 
-from dpmix_jax.pate import accounting, generation, public, smooth_sensitivity
+from dpmix_jax.pate import accounting, finetuned, generation, public, smooth_sensitivity
+from dpmix_jax.pate.finetuned import TeacherTuning
 from dpmix_jax.privacy import SEEDED_NOTE
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy.parts import assign_parts
@@ -45,6 +46,7 @@ __all__ = [
     "DOCUMENT_SUFFIXES",
     "METHODS",
     "PEER_METHODS",
+    "TEACHER_KINDS",
     "Ensemble",
     "SynthesisResult",
     "build_ensemble",
@@ -59,6 +61,7 @@ AGGREGATORS = ("confident_gnmax", "dpargmax_laplace", "dpws")
 PEER_METHODS = ("invisibleink", "amin", "pmixed")
 METHODS = ("coordinated", "independent", *PEER_METHODS)
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEACHER_KINDS = ("in_context", "fine_tuned")
 # Default thresholds as fractions of the n teachers (the Hot PATE experiment's).
 _THRESHOLDS = {"confident_gnmax": 0.5, "dpargmax_laplace": 0.6, "dpws": 0.0}
 _GNMAX_SIGMA_RATIO = 2.0  # σ1 = 2·σ2: the threshold check is noisier than the argmax
@@ -374,7 +377,7 @@ class _CountingTeachers:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Ensemble:
-    """In-context teachers over a public GPT-2, built from sensitive documents.
+    """Teachers over a public GPT-2 (in context or fine-tuned), built from sensitive documents.
 
     Attributes:
         teachers: the n teachers (`generation.Teachers`), counting their queries in `calls`.
@@ -383,7 +386,9 @@ class Ensemble:
         stop_sequences: token sequences that end a sample (any token holding a newline).
         num_units, unit: the sensitive units behind the teachers and their kind ("documents"
             or "users").
-        documents_in_prompts: documents that fit the teachers' prompts (the others are unread).
+        documents_in_prompts: documents the teachers read: those that fit their prompts (the
+            others are unread), or every document for fine-tuned teachers.
+        kind: "in_context" or "fine_tuned".
     """
 
     teachers: _CountingTeachers
@@ -393,6 +398,7 @@ class Ensemble:
     num_units: int
     unit: str
     documents_in_prompts: int
+    kind: str
 
 
 def build_ensemble(
@@ -407,16 +413,20 @@ def build_ensemble(
     stop_at_newline: bool = True,
     separator: str = "\n",
     on_step: Callable[[], None] | None = None,
+    teachers: str = "in_context",
+    tuning: TeacherTuning | None = None,
 ) -> Ensemble:
-    """Splits `documents` among `num_teachers` in-context teachers over `model`.
+    """Splits `documents` among `num_teachers` teachers over `model`.
 
-    Units (users, or documents) go to teachers by a keyed hash (`teacher_parts`); teacher i's
-    prompt is its own documents, each followed by `separator`, as many as fit the context next
-    to the public `prompt` and `max_new_tokens` generated tokens, then the prompt.
+    Units (users, or documents) go to teachers by a keyed hash (`teacher_parts`). An in-context
+    teacher's prompt is its own documents, each followed by `separator`, as many as fit the
+    context next to the public `prompt` and `max_new_tokens` generated tokens, then the prompt.
+    A fine-tuned teacher trains its own adapter on all of its documents (each followed by
+    `separator`, `finetuned.finetune_teachers`) and reads only EOS and the prompt.
 
     Args:
         documents, model, num_teachers, prompt, max_new_tokens, batch_size, stop_at_newline,
-            separator, on_step: as in `synthesize`.
+            separator, on_step, teachers, tuning: as in `synthesize`.
         key: the partition's PRNG key; None draws a secret one.
 
     Raises:
@@ -424,12 +434,17 @@ def build_ensemble(
             n outside [2, units], a document longer than the context leaves room for, ...).
 
     Privacy:
-        Each teacher's prompt holds its own units' documents only, so adding or removing a unit
-        changes one teacher. The teachers are sensitive: read them only through a DP mechanism.
+        Each teacher's prompt (or adapter) depends on its own units' documents only, so adding
+        or removing a unit changes one teacher. The teachers are sensitive: read them only
+        through a DP mechanism.
     """
     from dpmix_jax.pate.teachers import InContextTeachers
 
     privacy.check_steps(max_new_tokens, "max_new_tokens")
+    if teachers not in TEACHER_KINDS:
+        raise ValueError(f"teachers must be one of {', '.join(TEACHER_KINDS)}, got {teachers!r}")
+    if tuning is not None and teachers != "fine_tuned":
+        raise ValueError("tuning applies to teachers='fine_tuned'")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
     texts, ids, unit = _check_documents(documents)
@@ -465,31 +480,43 @@ def build_ensemble(
                 f"{max_new_tokens}; split it into shorter documents"
             )
     partition_key = None if key is None else np.asarray(jax.random.key_data(key)).tobytes()
-    prompts, used = [], 0
-    for part in teacher_parts(documents, n, key=partition_key):
-        context: list[int] = []
-        for index in part:
-            piece = [*encoded[int(index)], *separator]
-            if len(context) + len(piece) > budget:
-                break
-            context.extend(piece)
-            used += 1
-        prompts.append(context + prompt_ids or [tokenizer.eos_id])
-    teachers = _CountingTeachers(
-        InContextTeachers(
+    parts = teacher_parts(documents, n, key=partition_key)
+    if teachers == "fine_tuned":
+        context = [tokenizer.eos_id, *prompt_ids]
+        tuned = finetuned.finetune_teachers(
+            model.model,
+            encoded,
+            parts,
+            context=context,
+            end=separator,
+            tuning=tuning or finetuned.TeacherTuning(),
+        )
+        ensemble_teachers, used = tuned, len(encoded)
+    else:
+        prompts, used = [], 0
+        for part in parts:
+            context = []
+            for index in part:
+                piece = [*encoded[int(index)], *separator]
+                if len(context) + len(piece) > budget:
+                    break
+                context.extend(piece)
+                used += 1
+            prompts.append(context + prompt_ids or [tokenizer.eos_id])
+        ensemble_teachers = InContextTeachers(
             model.model, prompts, batch_size=min(batch_size, n), pad_id=tokenizer.eos_id
-        ),
-        on_step,
-    )
+        )
+    teachers_counted = _CountingTeachers(ensemble_teachers, on_step)
     stops = tuple((t,) for t in public.newline_tokens(tokenizer)) if stop_at_newline else ()
     return Ensemble(
-        teachers=teachers,
+        teachers=teachers_counted,
         public_model=public.make_public_model(model.model, [tokenizer.eos_id, *prompt_ids]),
         prompt_ids=prompt_ids,
         stop_sequences=stops,
         num_units=num_units,
         unit=unit,
         documents_in_prompts=used,
+        kind=teachers,
     )
 
 
@@ -513,7 +540,8 @@ class SynthesisResult:
         aggregator, method: the aggregator and the sampler ("coordinated" or "independent").
         num_teachers, num_units, unit: n, the sensitive units behind them, and their kind
             ("documents" or "users").
-        documents_in_prompts: documents that fit the teachers' prompts (the others were not read).
+        documents_in_prompts: documents the teachers read (in their prompts, or fine-tuned on).
+        teachers: the teachers' kind, "in_context" or "fine_tuned".
         tokens_generated: tokens in all samples (private plus fallback).
         steps_with_output: steps whose token the aggregator released.
         steps_without_output: steps where every try failed (fallback token, or the end).
@@ -539,6 +567,7 @@ class SynthesisResult:
     num_units: int
     unit: str
     documents_in_prompts: int
+    teachers: str
     tokens_generated: int
     steps_with_output: int
     steps_without_output: int
@@ -579,6 +608,8 @@ def synthesize(
     public_fallback: bool = True,
     batch_size: int = 64,
     on_step: Callable[[], None] | None = None,
+    teachers: str = "in_context",
+    tuning: TeacherTuning | None = None,
 ) -> SynthesisResult:
     """Generates `num_samples` texts privately from `documents` with Hot PATE.
 
@@ -617,6 +648,10 @@ def synthesize(
             (free); without it the sample ends there.
         batch_size: teachers per forward pass.
         on_step: called once per decoding step (a progress bar in tokens).
+        teachers: "in_context" (default: each teacher reads its documents in its prompt, as
+            many as fit the context) or "fine_tuned" (each teacher trains its own LoRA adapter
+            on all of its documents, `finetuned.finetune_teachers`, and reads only the prompt).
+        tuning: the fine-tuned teachers' `finetuned.TeacherTuning` (None: its defaults).
 
     Returns:
         A `SynthesisResult`.
@@ -626,11 +661,12 @@ def synthesize(
             a document longer than the model's context leaves room for, ε <= 0, δ >= 1/n, ...
 
     Privacy:
-        Each teacher's prompt holds its own units' documents only (keyed hash partition), and
-        the teachers are read only through the calibrated DP aggregator, every call charged in
-        the ledger. The prompt, the public model and the fallback read no sensitive data. The
-        result's texts and ε values are publishable; `documents_in_prompts` depends on the
-        documents' lengths and is for the data owner's report only.
+        Each teacher's prompt or adapter depends on its own units' documents only (keyed hash
+        partition), and the teachers are read only through the calibrated DP aggregator, every
+        call charged in the ledger. The prompt, the public model and the fallback read no
+        sensitive data. The result's texts and ε values are publishable;
+        `documents_in_prompts` depends on the documents' lengths and is for the data owner's
+        report only.
     """
     epsilon = privacy.check_epsilon(epsilon)
     delta = privacy.check_delta(delta)
@@ -654,6 +690,8 @@ def synthesize(
         stop_at_newline=stop_at_newline,
         separator=separator,
         on_step=on_step,
+        teachers=teachers,
+        tuning=tuning,
     )
     privacy.check_delta_for_units(delta, num_teachers, unit="teachers")
     if method in PEER_METHODS:
@@ -769,6 +807,7 @@ def synthesize(
         num_units=ensemble.num_units,
         unit=ensemble.unit,
         documents_in_prompts=ensemble.documents_in_prompts,
+        teachers=ensemble.kind,
         tokens_generated=len(sources),
         steps_with_output=sources.count("private"),
         steps_without_output=failed_steps,
@@ -865,6 +904,7 @@ def _synthesize_with_peer(
         num_units=ensemble.num_units,
         unit=ensemble.unit,
         documents_in_prompts=ensemble.documents_in_prompts,
+        teachers=ensemble.kind,
         tokens_generated=len(sources),
         steps_with_output=sources.count("private"),
         steps_without_output=sources.count("public"),

@@ -242,7 +242,7 @@ def run_comparison(
             results["privacy_unit"] = privacy_unit
         _add_weight_quality(results, reference_method)
         if runs and bar.reused_runs == len(runs):
-            _keep_provenance_of_computing_run(results, out_dir)
+            keep_provenance_of_computing_run(results, out_dir / "results.json")
 
         def write():
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
@@ -257,26 +257,28 @@ def run_comparison(
 _COMPUTING_RUN_KEYS = ("provenance", "seconds", "reused_runs")
 
 
-def _keep_provenance_of_computing_run(results: dict[str, Any], out_dir: pathlib.Path) -> None:
-    """Gives `results`, whose every run was read back from stored stages, the provenance
-    (command, commit, date), wall time and read-back count of `out_dir/results.json` when that
-    file holds the same runs: its numbers are those of the run that computed them, and a
-    rerun that only reads them back must not rewrite their origin. Without such a file (runs
-    computed by several earlier commands), `results` keeps its own provenance, which says that
-    every run was read back."""
-    path = out_dir / "results.json"
-    if not path.exists():
+def keep_provenance_of_computing_run(
+    results: dict[str, Any], path: str | os.PathLike, *, key: str = "runs"
+) -> None:
+    """Gives `results`, which computed nothing new, the provenance (command, commit, date), wall
+    time and read-back count of the results file `path` when that file holds the same
+    `results[key]`: its numbers are those of the run that computed them, and a rerun that only
+    reads them back must not rewrite their origin. Without such a file (runs computed by several
+    earlier commands), `results` keeps its own provenance, which says that every run was read
+    back."""
+    try:
+        previous = json.loads(pathlib.Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):  # nothing to keep: it is rewritten
         return
-    previous = json.loads(path.read_text())  # readable: `_check_one_dataset` has parsed it
-    same_runs = json.dumps(previous.get("runs"), sort_keys=True) == json.dumps(
-        results["runs"], sort_keys=True
+    same = json.dumps(previous.get(key), sort_keys=True, default=str) == json.dumps(
+        results[key], sort_keys=True, default=str
     )
-    if same_runs and "provenance" in previous:
-        for key in _COMPUTING_RUN_KEYS:
-            if key in previous:
-                results[key] = previous[key]
+    if same and "provenance" in previous:
+        for name in _COMPUTING_RUN_KEYS:
+            if name in previous:
+                results[name] = previous[name]
             else:
-                results.pop(key, None)
+                results.pop(name, None)
 
 
 def _check_one_dataset(out_dir: pathlib.Path, dataset: str) -> None:

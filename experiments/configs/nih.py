@@ -28,7 +28,7 @@ images, k = 14 public label sources, ρ, δ, clip norms, learning rates and all 
 small folder:
     python -m experiments.nih_chexpert --preset paper --smoke --nih-root DIR --public-root DIR \
         --out DIR
-Its AUCs measure nothing (one step); it checks that every stage runs and writes macro.md.
+Its AUCs measure nothing (one step); it checks that every stage runs and writes results.md.
 
 Privacy unit: by default each (ε, δ) protects one image, the paper's unit; a NIH patient has 3.6
 images on average, so it does not protect a patient. `--privacy-unit patient` (paper preset only:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.data.builtin import BBC_TOPICS
+from dpmix_jax.pate.finetuned import TeacherTuning
 from dpmix_jax.pate.public import TextDefaultModel
+from dpmix_jax.pate.synthesize import TEACHER_KINDS
 from dpmix_jax.privacy import accounting
 
 PRIVATE_METHODS = ("hot_pate", "independent_pate", "invisibleink", "amin", "pmixed")
@@ -34,6 +36,10 @@ class TextPeersConfig:
 
     Attributes:
         methods: the private generators compared (a subset of `PRIVATE_METHODS`).
+        references: the references run beside them (a subset of `REFERENCES`).
+        teachers: "in_context" (each teacher reads its sentences in its prompt) or
+            "fine_tuned" (each trains its own LoRA adapter on them, `tuning`).
+        tuning: the fine-tuned teachers' adapters and training.
         epsilons: total ε of each topic's run (topics hold disjoint sentences, so the whole
             output is (max ε, δ)-DP by parallel composition).
         delta: total δ of each topic's run.
@@ -52,6 +58,9 @@ class TextPeersConfig:
     """
 
     methods: tuple[str, ...] = PRIVATE_METHODS
+    references: tuple[str, ...] = REFERENCES
+    teachers: str = "in_context"
+    tuning: TeacherTuning = TeacherTuning(steps=20)
     epsilons: tuple[float, ...] = (1.0, 3.0, 10.0)
     delta: float = 1e-5
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -75,6 +84,12 @@ class TextPeersConfig:
             raise ValueError(
                 f"methods must be a non-empty subset of {PRIVATE_METHODS}, got {self.methods!r}."
             )
+        if not set(self.references) <= set(REFERENCES):
+            raise ValueError(
+                f"references must be a subset of {REFERENCES}, got {self.references!r}."
+            )
+        if self.teachers not in TEACHER_KINDS:
+            raise ValueError(f"teachers must be one of {TEACHER_KINDS}, got {self.teachers!r}.")
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
             raise ValueError(f"epsilons must be positive numbers, got {self.epsilons!r}.")
         accounting.check_delta(self.delta)
@@ -95,11 +110,26 @@ class TextPeersConfig:
             raise ValueError(f"temperature must be > 0, got {self.temperature!r}.")
 
 
+PRESETS = {
+    "cpu": "5 methods, ε in {1, 3, 10}, 3 seeds, 64 in-context teachers per topic",
+    "fine_tuned": "Hot PATE at ε = 10 and the ε = ∞ reference with 64 fine-tuned teachers per "
+    "topic, 3 seeds (against the cpu preset's in-context teachers)",
+    "tiny": "a test run on a small public model",
+}
+
+
 def get_config(preset: str = "cpu") -> TextPeersConfig:
-    """ "cpu" (the stored run: 5 methods, ε in {1, 3, 10}, 3 seeds, 64 teachers per topic)
-    or "tiny" (a test run on a small public model)."""
+    """A preset of `PRESETS`: "cpu" (the stored head-to-head), "fine_tuned" (fine-tuned
+    teachers on the same public model, topics and seeds) or "tiny" (a test run)."""
     if preset == "cpu":
         return TextPeersConfig()
+    if preset == "fine_tuned":
+        return TextPeersConfig(
+            methods=("hot_pate",),
+            references=("nonprivate",),
+            epsilons=(10.0,),
+            teachers="fine_tuned",
+        )
     if preset == "tiny":
         return TextPeersConfig(
             epsilons=(3.0,),
@@ -111,4 +141,4 @@ def get_config(preset: str = "cpu") -> TextPeersConfig:
             test_per_topic=20,
             model=TextDefaultModel(train_steps=20, width=32, depth=1, heads=2),
         )
-    raise ValueError(f"preset must be 'cpu' or 'tiny', got {preset!r}.")
+    raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}.")
