@@ -748,6 +748,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.teachers == "fine-tuned":
         log("fine-tuning one adapter per teacher on its own documents")
     bar = tqdm(total=args.num_samples * args.max_new_tokens, unit="tok", disable=args.quiet)
+
+    def on_step() -> None:
+        if bar.n == 0:  # the rate counts from the first token, after the teachers are built
+            bar.reset(total=bar.total)
+        bar.update(1)
+
     with bar:
         result = synthesize.synthesize(
             documents,
@@ -761,7 +767,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             aggregator=args.aggregator,
             num_teachers=_TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers,
             max_new_tokens=args.max_new_tokens,
-            on_step=lambda: bar.update(1),
+            on_step=on_step,
             teachers=args.teachers.replace("-", "_"),
             tuning=tuning,
         )

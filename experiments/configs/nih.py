@@ -41,9 +41,11 @@ output says which unit its ε is for ("per image", "per patient (user-level, up 
 The expected batch sizes then count patients, not images. `experiments/patient_level.py`
 measures the utility cost of the patient unit on the digits stand-in (`docs/patient-level.md`).
 
-The `cpu` preset runs the same code on the embedded digits default (3 sensitive tasks, MLP, a
-few minutes on 2 CPU cores). Expected: DP-MixMin's macro AUC above Uniform's and Random Init's at
-every ε, and its λ close to λ* (cosine > 0.9).
+The `cpu` preset runs the same code on the embedded digits default (3 sensitive tasks, MLP, 2
+seeds; 6 minutes and 1.4 GB peak memory on 2 loaded CPU cores), the same for both public data
+sets. Its stored run (docs/results/nih_cpu.json): macro AUC DP-MixMin 0.829 / 0.834 / 0.833,
+Uniform 0.757 / 0.771 / 0.779, Random Search 0.747 / 0.757 / 0.772, Random Init 0.623 / 0.650 /
+0.674 at ε = 1 / 2 / 5.
 """
 
 from __future__ import annotations
