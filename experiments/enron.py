@@ -116,7 +116,7 @@ def rho_markdown(summary: dict) -> str:
             values = [
                 r["utility"] for r in runs if (r["method"], r["epsilon"]) == (method, epsilon)
             ]
-            spread = f" ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else ""
+            spread = f" ± {np.std(values):.2f}" if len(values) > 1 else ""
             cells.setdefault((method, epsilon), {})[rho] = f"{np.mean(values):.2f}{spread}"
     lines = [
         f"Test perplexity against ρ ({summary['dataset']}; mean ± std over seeds):",

@@ -73,12 +73,16 @@ def _weights(results: dict[str, Any], source: str) -> str:
 
 
 def _stored_markdown(results: dict[str, Any], source: str) -> str:
-    """The run's own `results.md` (stored as NAME.md), its title dropped, headings one level
-    down, then where it comes from."""
+    """The run's own `results.md` (stored as NAME.md), its title dropped, its headings moved
+    down so that the highest is level 4 (inside the "###" section of a page that shows it),
+    then where it comes from."""
     lines = results[MARKDOWN_KEY].strip("\n").splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]
-    body = "\n".join("#" + line if line.startswith("#") else line for line in lines).strip("\n")
+    levels = [len(line) - len(line.lstrip("#")) for line in lines if line.startswith("#")]
+    shift = "#" * (4 - min(levels, default=4))
+    body = "\n".join(shift + line if line.startswith("#") else line for line in lines)
+    body = body.strip("\n")
     origin = run_provenance(results)
     seeded = results.get("noise_seeded")
     randomness = (
