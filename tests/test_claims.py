@@ -299,3 +299,34 @@ def test_coordinated_coverage_is_above_independent_at_half_n(plausible_tokens):
     if plausible_tokens >= 3:
         assert cold_coverage < 0.05
         assert int(metrics.transferred_support(cold, threshold)[0]) <= 1
+
+
+@pytest.mark.parametrize("name", ["enron_rho", "openwebmath"])
+def test_stored_rho_pages_are_their_json_through_the_current_writer(name):
+    """The ρ table and the per-ρ tables of a stored text run are `experiments.enron`'s writer
+    applied to its JSON (one spread convention, the population std, in both)."""
+    from dpmix_jax.pipeline import compare
+    from experiments import enron
+
+    results = stored(name)
+    tables = [
+        compare.markdown_table(results["per_rho"][f"{r:g}"]) for r in results["mix_fractions"]
+    ]
+    page = enron.rho_markdown(results) + "\n\n" + "\n".join(tables)
+    assert page == (RESULTS / f"{name}.md").read_text()
+
+
+def test_fine_tuned_teachers_write_closer_to_real_text_than_in_context_ones():
+    """Fine-tuned teachers' average (ε = ∞) is closer to the real sentences (MAUVE) than the
+    in-context teachers' on every seed; through Hot PATE at ε = 10 the two stay within noise."""
+    fine_tuned, in_context = stored("text_peers_fine_tuned"), stored("text_peers")
+    assert fine_tuned["config"]["teachers"] == "fine_tuned"
+    assert fine_tuned["config"]["seeds"] == in_context["config"]["seeds"]
+
+    def mauve(results, method, epsilon=None):
+        rows = results["rows"]
+        return [r["mauve"] for r in rows if (r["method"], r["target_epsilon"]) == (method, epsilon)]
+
+    assert min(mauve(fine_tuned, "nonprivate")) > max(mauve(in_context, "nonprivate"))
+    tuned, read = mauve(fine_tuned, "hot_pate", 10.0), mauve(in_context, "hot_pate", 10.0)
+    assert abs(np.mean(tuned) - np.mean(read)) < np.std(tuned) + np.std(read)
