@@ -65,10 +65,13 @@ def test_each_teacher_learns_its_own_documents(teachers):
 
 
 def test_one_teachers_documents_move_that_teacher_alone(teachers):
-    """The privacy contract: change teacher 1's documents and only teacher 1's logits move."""
-    changed = [list(d) for d in DOCUMENTS]
+    """The privacy contract, to the last bit: teacher 1 gets a changed document and one more,
+    longer than any before (so the ensemble's largest part and longest document both change),
+    and only teacher 1's logits move."""
+    changed = [list(d) for d in DOCUMENTS] + [[20, 21, 22, 23, 9, 10, 11, 12]]
     changed[2] = [20, 21, 22, 23]
-    other = finetune_teachers(_model(), changed, PARTS, context=CONTEXT, end=END, tuning=TUNING)
+    parts = [PARTS[0], [*PARTS[1], len(DOCUMENTS)], PARTS[2]]
+    other = finetune_teachers(_model(), changed, parts, context=CONTEXT, end=END, tuning=TUNING)
     for prefix in ([], [5, 6], [20]):
         before, after = teachers(prefix), other(prefix)
         np.testing.assert_array_equal(before[0], after[0])

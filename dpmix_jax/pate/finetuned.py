@@ -95,7 +95,7 @@ def _rows(
     """(inputs, input mask, targets, loss weights), each (n, R, length - 1): teacher i's row r
     is `context + document + end` of its r-th document, right-padded (mask 0); the loss covers
     the document and `end` (what the teacher learns to write after the context). R: the
-    largest part."""
+    largest part (a teacher's missing rows are all zero)."""
     width = max(1, max(len(part) for part in parts))
     tokens = np.zeros((len(parts), width, length), np.int32)
     present = np.zeros((len(parts), width, length), np.int32)
@@ -111,21 +111,38 @@ def _rows(
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps", "learning_rate", "chunk"))
 def _train(graphdef, start, frozen, rows, *, steps, learning_rate, chunk):
-    """Every teacher's adapter after `steps` full-batch Adam steps on its own `rows`."""
+    """Every teacher's adapter after `steps` full-batch Adam steps on its own `rows`.
+
+    A teacher's gradient is summed document by document in a scan, each document one row of
+    the model's full (public) length, and padding documents add exact zeros: the adapter is the
+    same to the last bit whatever the other teachers hold (how many documents, how long).
+    """
     optimizer = optax.adam(learning_rate)
 
     def teacher(rows):
-        inputs, mask, targets, weights = rows
-
-        def loss(adapter):
+        def document_loss(adapter, row):
+            inputs, mask, targets, weights = row
             model = nnx.merge(graphdef, adapter, frozen)
-            logits = model(inputs, attention_mask=mask)
-            token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-            return (token_loss * weights).sum() / jnp.maximum(weights.sum(), 1.0)
+            logits = model(inputs[None], attention_mask=mask[None])[0]
+            return (
+                optax.softmax_cross_entropy_with_integer_labels(logits, targets) * weights
+            ).sum()
+
+        def gradient(adapter):
+            def add(total, row):
+                grads, weight = total
+                present = row[3].sum() > 0
+                step = jax.grad(document_loss)(adapter, row)
+                grads = jax.tree.map(lambda g, d: g + jnp.where(present, d, 0.0), grads, step)
+                return (grads, weight + row[3].sum()), None
+
+            zeros = jax.tree.map(jnp.zeros_like, adapter)
+            (grads, weight), _ = jax.lax.scan(add, (zeros, jnp.float32(0)), rows)
+            return jax.tree.map(lambda g: g / jnp.maximum(weight, 1.0), grads)
 
         def step(carry, _):
             adapter, state = carry
-            updates, state = optimizer.update(jax.grad(loss)(adapter), state, adapter)
+            updates, state = optimizer.update(gradient(adapter), state, adapter)
             return (optax.apply_updates(adapter, updates), state), None
 
         (adapter, _), _ = jax.lax.scan(step, (start, optimizer.init(start)), length=steps)
@@ -191,7 +208,9 @@ def finetune_teachers(
         raise ValueError(
             f"tuning.last_blocks = {tuning.last_blocks} but the model has {n_layer} blocks."
         )
-    longest = len(context) + max(len(documents[int(i)]) for part in parts for i in part)
+    longest = len(context) + max(
+        (len(documents[int(i)]) for part in parts for i in part), default=0
+    )
     if longest + len(end) > positions:
         raise ValueError(
             f"a document needs {longest + len(end)} positions with the context and end, more "
@@ -199,7 +218,8 @@ def finetune_teachers(
         )
     adapted = lora.add_lora(nnx.clone(model), tuning.lora, rngs=nnx.Rngs(seed))
     graphdef, start, frozen = nnx.split(adapted, _adapter_filter(n_layer, tuning.last_blocks), ...)
-    rows = _rows(documents, parts, context=context, end=end, length=longest + len(end))
+    # Rows span the model's positions, a public length: no teacher's shapes depend on the data.
+    rows = _rows(documents, parts, context=context, end=end, length=positions + 1)
     adapters = _train(
         graphdef,
         start,
