@@ -24,6 +24,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -337,7 +338,10 @@ def _parser() -> argparse.ArgumentParser:
             "`<!-- table:NAME VIEW -->` and `<!-- /table -->` and is rendered from "
             "docs/results/NAME.json, a copy of the "
             "results.json a run wrote. --add copies a finished run's results.json and plots "
-            "there first; --check changes nothing and fails if a table differs from its file."
+            "there first; --check changes nothing and fails if a table differs from its file. "
+            "Numbers in the prose are derived from the same files by hidden "
+            "`<!-- numbers NAME ... -->` blocks (see dpmix_jax.pipeline.numbers); both modes "
+            "list every one the stored runs do not give, and exit 1 then."
         ),
         epilog=_examples(
             "dpmix report",
@@ -559,7 +563,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from dpmix_jax.pipeline import report
+    from dpmix_jax.pipeline import numbers, report
 
     for item in args.add:
         name, sep, run_dir = item.partition("=")
@@ -569,15 +573,26 @@ def _report(args: argparse.Namespace) -> int:
         print(f"copied {', '.join(str(p) for p in copied)}")
     documents = args.readme or report.documents(pathlib.Path("."))
     if args.check:
-        stale = [line for path in documents for line in report.check_markdown(path, args.results)]
-        for line in stale:
-            print(line, file=sys.stderr)
-        return 1 if stale else 0
-    for path in documents:
-        updated = report.update_markdown(path, args.results)
-        if updated:
-            print(f"rebuilt {len(updated)} table(s) in {path}: {', '.join(updated)}")
-    return 0
+        problems = [
+            line for path in documents for line in report.check_markdown(path, args.results)
+        ]
+    else:
+        for path in documents:
+            updated = report.update_markdown(path, args.results)
+            if updated:
+                print(f"rebuilt {len(updated)} table(s) in {path}: {', '.join(updated)}")
+        problems = [
+            line for path in documents for line in numbers.check_file(path, args.results)[0]
+        ]
+    counts = sum((numbers.check_file(path, args.results)[1] for path in documents), Counter())
+    print(
+        f"numbers in the prose: {counts['derived']} match their stored runs, "
+        f"{counts['paper']} are the papers', {counts['setting']} settings, {counts['unstored']} "
+        "measured outside a stored run"
+    )
+    for line in problems:
+        print(line, file=sys.stderr)
+    return 1 if problems else 0
 
 
 _TEXT_DEFAULT_TEACHERS = 512  # teachers on the text default (the Hot PATE experiment's n)

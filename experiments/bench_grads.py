@@ -63,7 +63,7 @@ from flax import nnx
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, lora
 from dpmix_jax.pate import samplers
-from dpmix_jax.pipeline.compare import provenance
+from dpmix_jax.pipeline.compare import peak_memory_gib, provenance
 from dpmix_jax.privacy import correlated_noise, noise
 from dpmix_jax.train import engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
@@ -772,6 +772,7 @@ def run(config: BenchConfig) -> dict:
             results.extend(time_methods(config, spec, batch_size))
     mixmin = bench_mixmin(config) if config.mixmin_sources else []
     pate = bench_pate(config) if config.pate_teachers else []
+    origin["peak_memory_gib"] = round(peak_memory_gib(), 2)
     return {
         "provenance": origin,
         "wall_seconds": time.time() - start,

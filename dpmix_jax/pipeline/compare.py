@@ -25,6 +25,7 @@ import json
 import math
 import os
 import pathlib
+import resource
 import shlex
 import sys
 import time
@@ -137,8 +138,18 @@ class _GridProgress:
         self._bar.set_postfix_str(text)
 
 
+def peak_memory_gib() -> float:
+    """The largest resident memory of this process and its finished children so far, in GiB."""
+    peak_kib = max(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+    )
+    return peak_kib / 2**20
+
+
 def provenance() -> dict[str, Any]:
-    """Where a result comes from: command, UTC date, commit, package version and machine."""
+    """Where a result comes from: command, UTC date, commit, package version, machine, and the
+    peak resident memory so far (the run's peak when called as the run ends)."""
     import jax
 
     try:
@@ -153,6 +164,7 @@ def provenance() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "devices": jax.device_count(),
         "cpu_count": os.cpu_count(),
+        "peak_memory_gib": round(peak_memory_gib(), 2),
     }
 
 
@@ -428,6 +440,8 @@ def provenance_line(results: dict[str, Any]) -> str:
             else (f"{origin['devices']} {origin['backend'].upper()} device(s)")
         )
         parts.append(f"on {machine}")
+    if origin.get("peak_memory_gib"):
+        parts.append(f"peak memory {origin['peak_memory_gib']:.1f} GiB")
     for key, label in (("date", ""), ("commit", "commit "), ("version", "dpmix_jax ")):
         if origin.get(key):
             parts.append(f"{label}{origin[key]}")

@@ -13,7 +13,8 @@ the comparison views, the `ablation_*` views of `experiments.ablations`' file, o
 `markdown`, the run's own `results.md`. `update_markdown` rewrites
 every block from its file (`dpmix report`); `check_markdown` lists the blocks that differ from
 their files (`dpmix report --check`, and a test), so a number in the docs is always the number
-its run wrote, next to the command, date and commit that produced it.
+its run wrote, next to the command, date and commit that produced it. Numbers in the prose are
+derived from the same files by hidden blocks, checked by `check_markdown` too (`numbers`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dpmix_jax.pipeline import common, compare
+from dpmix_jax.pipeline import common, compare, numbers
 from dpmix_jax.privacy.accounting import format_epsilon
 
 MARKER = re.compile(
@@ -75,16 +76,18 @@ def _weights(results: dict[str, Any], source: str) -> str:
 def _stored_markdown(results: dict[str, Any], source: str) -> str:
     """The run's own `results.md` (stored as NAME.md), its title dropped, its headings moved
     down so that the highest is level 4 (inside the "###" section of a page that shows it),
-    then where it comes from."""
+    its line on seeded noise dropped (the footer says it), then where it comes from."""
+    seeded = results.get("noise_seeded")
     lines = results[MARKDOWN_KEY].strip("\n").splitlines()
     if lines and lines[0].startswith("# "):
         lines = lines[1:]
+    if seeded is not None:
+        lines = [line for line in lines if line.rstrip(".") != compare.SEEDED_NOTE]
     levels = [len(line) - len(line.lstrip("#")) for line in lines if line.startswith("#")]
     shift = "#" * (4 - min(levels, default=4))
     body = "\n".join(shift + line if line.startswith("#") else line for line in lines)
-    body = body.strip("\n")
+    body = re.sub(r"\n{3,}", "\n\n", body).strip("\n")
     origin = run_provenance(results)
-    seeded = results.get("noise_seeded")
     randomness = (
         f" {compare.SEEDED_NOTE[:1].upper()}{compare.SEEDED_NOTE[1:]}."
         if seeded
@@ -231,7 +234,8 @@ def run_provenance(results: dict[str, Any]) -> dict[str, Any]:
     """A stored result's provenance (command, date, commit, machine), whether its writer nested
     it under "provenance" or wrote it at the top level."""
     origin = dict(results.get("provenance") or {})
-    for key in ("command", "date", "commit", "version", "backend", "devices", "cpu_count"):
+    keys = ("command", "date", "commit", "version", "backend", "devices", "cpu_count")
+    for key in (*keys, "peak_memory_gib"):
         if key in results and key not in origin:
             origin[key] = results[key]
     return origin
@@ -336,9 +340,11 @@ def update_markdown(path: pathlib.Path, results_dir: pathlib.Path) -> list[str]:
 
 
 def check_markdown(path: pathlib.Path, results_dir: pathlib.Path) -> list[str]:
-    """One line per marked table of `path` that differs from what its results file gives."""
+    """One line per marked table of `path` that differs from what its results file gives, and
+    per number of its prose that its numbers block does not derive from the stored runs
+    (`numbers.check_file`)."""
     path = pathlib.Path(path)
-    stale = []
+    stale, _ = numbers.check_file(path, results_dir)
     for match in MARKER.finditer(path.read_text()):
         expected, _ = rebuild(match[0], results_dir, relative_to=path.parent)
         if expected != match[0]:
