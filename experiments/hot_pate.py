@@ -448,14 +448,20 @@ def build_natural_task(
             records, parts, separator=newline, records_per_teacher=cfg.records_per_teacher
         )
     ]
+    # Public width: every record is cut to max_record_tokens (`sensitive_records`).
+    width = cfg.records_per_teacher * (cfg.max_record_tokens + len(newline)) + len(instruction)
     teachers = InContextTeachers(
-        model, prompts, batch_size=min(128, cfg.num_teachers), pad_id=tokenizer.eos_id
+        model,
+        prompts,
+        width=width,
+        batch_size=min(128, cfg.num_teachers),
+        pad_id=tokenizer.eos_id,
     )
     short = sum(len(part) < cfg.records_per_teacher for part in parts)
     _log(
         f"(b) {len(records)} sensitive records, {cfg.num_teachers} teachers x "
         f"{cfg.records_per_teacher} ({short} with fewer); longest prompt "
-        f"{max(map(len, prompts))} tokens"
+        f"{max(map(len, prompts))} of the public width {width} tokens"
     )
     return NaturalTask(
         tokenizer=tokenizer,

@@ -209,7 +209,7 @@ def test_in_context_teachers_match_unbatched_forward_passes():
     model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=48), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 64, size=rng.integers(2, 12)).tolist() for _ in range(5)]
-    teachers = InContextTeachers(model, prompts, batch_size=2)
+    teachers = InContextTeachers(model, prompts, width=16, batch_size=2)
     assert isinstance(teachers, generation.Teachers) and teachers.num_teachers == 5
     # Fresh, extended by one token (cache continued), repeated, then restarted from the prompts.
     for prefix in ([5, 9, 11], [5, 9, 11, 2], [5, 9, 11, 2], [7], []):
@@ -220,6 +220,54 @@ def test_in_context_teachers_match_unbatched_forward_passes():
             np.testing.assert_allclose(logits[i], np.asarray(alone), atol=1e-4)
     with pytest.raises(ValueError, match="tokens"):
         teachers(list(range(60)))
+
+
+_PREFIXES = ([5, 9, 11], [5, 9, 11, 2], [5, 9, 11, 2, 40], [7], [])  # cache extended, restarted
+
+
+def _teacher_logits(model, prompts, teachers_read):
+    """The logits of `teachers_read` after every prefix of `_PREFIXES`, width 16, 2 per batch."""
+    teachers = InContextTeachers(model, prompts, width=16, batch_size=2)
+    return [np.asarray(teachers(prefix))[teachers_read] for prefix in _PREFIXES]
+
+
+def test_a_teachers_logits_do_not_change_by_one_bit_when_other_teachers_prompts_change():
+    """Teachers 0 (also in the last batch's padding row) and 3 (sharing a batch with 2) read the
+    same bits whatever the others' prompts, their lengths included: the width is public."""
+    model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=48), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 64, size=6).tolist() for _ in range(5)]
+    before = _teacher_logits(model, prompts, [0, 3])
+    others = list(prompts)
+    others[1] = rng.integers(1, 64, size=16).tolist()  # as long as the width allows
+    others[2] = [3]
+    others[4] = rng.integers(1, 64, size=11).tolist()
+    after = _teacher_logits(model, others, [0, 3])
+    for logits_before, logits_after in zip(before, after, strict=True):
+        np.testing.assert_array_equal(logits_after, logits_before)
+
+
+def test_the_too_long_prefix_error_depends_on_the_public_width_only():
+    model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=48), rngs=nnx.Rngs(0))
+    messages = set()
+    for prompts in ([[1, 2]] * 3, [[1] * 20, [2], [3, 4]]):
+        teachers = InContextTeachers(model, prompts, width=20, batch_size=2)
+        teachers(list(range(28)))  # 20 + 28 = 48 positions: allowed for every prompt length
+        with pytest.raises(ValueError, match="more than the model's 48 positions") as error:
+            teachers(list(range(29)))
+        messages.add(str(error.value))
+    assert len(messages) == 1
+
+
+def test_a_bad_width_or_a_prompt_longer_than_the_width_is_refused_in_one_line():
+    model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=48), rngs=nnx.Rngs(0))
+    for width in (0, 49, 4.0, True, None):
+        with pytest.raises(ValueError, match=r"^width must be an integer in \[1, 48\]") as error:
+            InContextTeachers(model, [[1, 2]], width=width)
+        assert "\n" not in str(error.value)
+    assert InContextTeachers(model, [[1, 2]], width=np.int64(48)).num_teachers == 1
+    with pytest.raises(ValueError, match=r"^prompts\[1\] has 5 tokens, more than width = 4\.$"):
+        InContextTeachers(model, [[1, 2], [1, 2, 3, 4, 5]], width=4)
 
 
 def test_a_total_delta_of_one_over_the_teachers_or_more_is_refused_before_any_teacher_is_read():

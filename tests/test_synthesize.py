@@ -384,20 +384,26 @@ def test_peers_run_on_the_same_teachers_within_the_target(model, method):
     assert again.texts == result.texts and again.epsilon == result.epsilon
 
 
-def test_each_document_is_followed_by_the_separator_in_its_teachers_prompt(model):
+@pytest.mark.parametrize("prompt", ["", "Dear team"])
+def test_teachers_read_their_documents_each_followed_by_the_separator_then_the_prompt_once(
+    model, prompt
+):
     docs = [{"text": "Meeting 1 moved.", "user": "a"}, {"text": "Report due.", "user": "b"}]
     key = jax.random.key(3)
     ensemble = synthesize.build_ensemble(
-        docs, model, num_teachers=2, max_new_tokens=4, key=key, separator="\n\n"
+        docs, model, num_teachers=2, max_new_tokens=4, key=key, separator="\n\n", prompt=prompt
     )
     parts = synthesize.teacher_parts(docs, 2, key=np.asarray(jax.random.key_data(key)).tobytes())
-    logits = ensemble.teachers([])
     tokenizer = model.tokenizer
+    prefix = [*ensemble.prompt_ids, tokenizer.encode(" the")[0]]  # how a sample decodes
+    logits = ensemble.teachers(prefix)
     for teacher, part in enumerate(parts):
-        prompt = [i for index in part for i in tokenizer.encode(docs[index]["text"] + "\n\n")]
-        prompt = prompt or [tokenizer.eos_id]
-        direct = model.model(jnp.asarray([prompt], jnp.int32))[0, -1]
+        context = [i for index in part for i in tokenizer.encode(docs[index]["text"] + "\n\n")]
+        context = context or [tokenizer.eos_id]
+        direct = model.model(jnp.asarray([context + prefix], jnp.int32))[0, -1]
         np.testing.assert_allclose(logits[teacher], direct, rtol=1e-4, atol=1e-4)
+    public_direct = model.model(jnp.asarray([[tokenizer.eos_id, *prefix]], jnp.int32))[0, -1]
+    np.testing.assert_allclose(ensemble.public_model(prefix), public_direct, rtol=1e-4, atol=1e-4)
 
 
 def test_fine_tuned_teachers_read_every_document_and_stay_within_the_target(model):

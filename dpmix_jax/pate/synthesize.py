@@ -419,10 +419,12 @@ def build_ensemble(
     """Splits `documents` among `num_teachers` teachers over `model`.
 
     Units (users, or documents) go to teachers by a keyed hash (`teacher_parts`). An in-context
-    teacher's prompt is its own documents, each followed by `separator`, as many as fit the
-    context next to the public `prompt` and `max_new_tokens` generated tokens, then the prompt.
-    A fine-tuned teacher trains its own adapter on all of its documents (each followed by
-    `separator`, `finetuned.finetune_teachers`) and reads only EOS and the prompt.
+    teacher's context is its own documents, each followed by `separator`, as many as fit a
+    public width (the model's context less the public `prompt` and `max_new_tokens`), left-padded
+    to that width. A fine-tuned teacher trains its own adapter on all of its documents (each
+    after EOS and followed by `separator`, `finetuned.finetune_teachers`) and reads only EOS.
+    Every sample then decodes from the prompt after that context, and the public model reads EOS
+    and the prompt.
 
     Args:
         documents, model, num_teachers, prompt, max_new_tokens, batch_size, stop_at_newline,
@@ -435,7 +437,8 @@ def build_ensemble(
 
     Privacy:
         Each teacher's prompt (or adapter) depends on its own units' documents only, so adding
-        or removing a unit changes one teacher. The teachers are sensitive: read them only
+        or removing a unit changes one teacher; padded to a public width, it changes no other
+        teacher's logits, not even by rounding. The teachers are sensitive: read them only
         through a DP mechanism.
     """
     from dpmix_jax.pate.teachers import InContextTeachers
@@ -464,6 +467,9 @@ def build_ensemble(
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt) if prompt else []
     separator = tokenizer.encode(separator)
+    # Every sample decodes from the public prompt (`generation.generate(teachers, prompt_ids,
+    # ...)`) after a teacher's documents, so a teacher call reads at most
+    # budget + len(prompt_ids) + max_new_tokens - 1 tokens: one less than the context.
     budget = model.context_length - max_new_tokens - len(prompt_ids)
     if budget < 1 + len(separator):
         raise ValueError(
@@ -482,12 +488,11 @@ def build_ensemble(
     partition_key = None if key is None else np.asarray(jax.random.key_data(key)).tobytes()
     parts = teacher_parts(documents, n, key=partition_key)
     if teachers == "fine_tuned":
-        context = [tokenizer.eos_id, *prompt_ids]
         tuned = finetuned.finetune_teachers(
             model.model,
             encoded,
             parts,
-            context=context,
+            context=[tokenizer.eos_id],
             end=separator,
             tuning=tuning or finetuned.TeacherTuning(),
         )
@@ -502,15 +507,19 @@ def build_ensemble(
                     break
                 context.extend(piece)
                 used += 1
-            prompts.append(context + prompt_ids or [tokenizer.eos_id])
+            prompts.append(context or [tokenizer.eos_id])
         ensemble_teachers = InContextTeachers(
-            model.model, prompts, batch_size=min(batch_size, n), pad_id=tokenizer.eos_id
+            model.model,
+            prompts,
+            width=budget,
+            batch_size=min(batch_size, n),
+            pad_id=tokenizer.eos_id,
         )
     teachers_counted = _CountingTeachers(ensemble_teachers, on_step)
     stops = tuple((t,) for t in public.newline_tokens(tokenizer)) if stop_at_newline else ()
     return Ensemble(
         teachers=teachers_counted,
-        public_model=public.make_public_model(model.model, [tokenizer.eos_id, *prompt_ids]),
+        public_model=public.make_public_model(model.model, [tokenizer.eos_id]),
         prompt_ids=prompt_ids,
         stop_sequences=stops,
         num_units=num_units,

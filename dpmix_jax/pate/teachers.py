@@ -3,8 +3,9 @@
 * `partition_records`: a partition of sensitive records into n disjoint parts in which each
   record's part is a keyed hash of its own id (`privacy.assign_parts`).
 * `build_prompts`: one in-context prompt per teacher from its own part only.
-* `InContextTeachers`: n prompts over one Flax GPT-2; the prompts are left-padded, run once into
-  a KV cache, and each call runs only the shared generated prefix's new tokens after it.
+* `InContextTeachers`: n prompts over one Flax GPT-2; the prompts are left-padded to a public
+  width, run once into a KV cache, and each call runs only the shared generated prefix's new
+  tokens after it.
 * `TableTeachers`: synthetic teachers whose logits depend on the last token (a per-teacher Markov
   table), for tests and experiments that need a known ground truth.
 * `sampled_logits`: API-only teachers, whose distributions are known only through m samples each.
@@ -105,7 +106,7 @@ def _extend(graphdef, state, input_ids, cache, attention_mask):
 class InContextTeachers:
     """In-context teachers: one GPT-2, one private prompt per teacher.
 
-    The prompts are left-padded to a common length and run once through the model into a KV
+    The prompts are left-padded to the public `width` and run once through the model into a KV
     cache (`GPT2.extend`); a call then runs only the shared prefix's tokens after it, and
     continues from the previous call's cache when its prefix extends the previous prefix (a
     decoding loop runs one token per step). The logits equal the full forward pass over prompt +
@@ -113,13 +114,25 @@ class InContextTeachers:
 
     Args:
         model: a `dpmix_jax.models.gpt2.GPT2`.
-        prompts: one token list per teacher (see `build_prompts`).
-        batch_size: teachers per forward pass (the ensemble is padded to a multiple of it).
+        prompts: one token list per teacher (see `build_prompts`), each at most `width` tokens.
+        width: the public prompt width every prompt is left-padded to, in [1, n_positions]: a
+            bound chosen without reading the prompts (e.g. the prompt budget they were built
+            to fit), never their longest length.
+        batch_size: teachers per forward pass (the ensemble is padded to a multiple of it with
+            copies of prompt 0, whose rows are discarded).
         pad_id: the padding token id (masked out).
 
+    Raises:
+        ValueError: one line naming the argument: no prompts or an empty one, a width outside
+            [1, n_positions], a prompt longer than `width`, a batch_size below 1.
+
     Privacy:
-        Teacher i's logits depend on its own prompt only (and on the shared public prefix); its
-        cache rows hold its own prompt's keys and values, as sensitive as the prompt.
+        The shapes of every computation depend on public numbers only (`width`, n, batch_size,
+        the prefix), and every row is computed on its own (no reduction across rows), so teacher
+        i's logits are a function of its own prompt and the public prefix only, bit for bit:
+        changing another teacher's prompt, even its length, changes none of teacher i's bits,
+        and whether a prefix is too long depends on `width` alone. Teacher i's cache rows hold
+        its own prompt's keys and values, as sensitive as the prompt.
     """
 
     def __init__(
@@ -127,6 +140,7 @@ class InContextTeachers:
         model: GPT2,
         prompts: Sequence[Sequence[int]],
         *,
+        width: int,
         batch_size: int = 64,
         pad_id: int = 0,
     ):
@@ -134,15 +148,25 @@ class InContextTeachers:
             raise ValueError("need at least one teacher, and every prompt must be non-empty.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+        self._max_len = int(model.config.n_positions)
+        if (
+            isinstance(width, bool)
+            or not isinstance(width, int | np.integer)
+            or not 1 <= width <= self._max_len
+        ):
+            raise ValueError(
+                f"width must be an integer in [1, {self._max_len}] (the model's positions), "
+                f"got {width!r}."
+            )
+        self._width = int(width)
+        self._prompts = [list(map(int, p)) for p in prompts]
+        for index, prompt in enumerate(self._prompts):
+            if len(prompt) > self._width:
+                raise ValueError(
+                    f"prompts[{index}] has {len(prompt)} tokens, more than width = {self._width}."
+                )
         self._model = model
         self._graphdef, self._state = nnx.split(model)
-        self._prompts = [list(map(int, p)) for p in prompts]
-        self._max_len = int(model.config.n_positions)
-        self._width = max(map(len, self._prompts))
-        if self._width > self._max_len:
-            raise ValueError(
-                f"a prompt has {self._width} tokens, more than the model's {self._max_len}."
-            )
         self._batch_size = min(batch_size, len(prompts))
         self._pad_id = pad_id
         self.vocab_size = int(model.config.vocab_size)
@@ -192,8 +216,8 @@ class InContextTeachers:
         prefix = tuple(int(t) for t in prefix)
         if self._width + len(prefix) > self._max_len:
             raise ValueError(
-                f"prompt + prefix has {self._width + len(prefix)} tokens, more than the model's "
-                f"{self._max_len}."
+                f"prefix has {len(prefix)} tokens; with the prompt width {self._width} that is "
+                f"{self._width + len(prefix)}, more than the model's {self._max_len} positions."
             )
         if self._last is not None and prefix[: len(self._last[0])] == self._last[0]:
             done, caches, logits = self._last
