@@ -12,6 +12,13 @@
 (i) Steps with no output: a stream in which few steps can be answered, at one total (ε, δ):
     DPARGMAX charged on every step against the sparse vector gate (`pate.sparse`), which
     charges only the steps it answers.
+(j) Individual accounting: a heterogeneous stream (one user per teacher) where the teachers
+    mostly agree with a public model and, at a few steps, a small random group knows a token the
+    public model lacks. A teacher whose vote (under the shared Gumbel noise) equals the public
+    model's abstains, and a Rényi filter (`pate.individual`) charges each teacher only for the
+    steps it votes in, up to its own budget M: at the same per-teacher (ε, δ) the stream runs to
+    its end, where charging every teacher at every step stops it after M steps (or needs a σ
+    that drowns the groups).
 
 All teachers are synthetic with a known ground truth; nothing here reads sensitive data. The
 draws are seeded by the config's seed with `--reproducible`, otherwise secret.
@@ -41,6 +48,7 @@ from dpmix_jax.pate import (  # noqa: E402
     accounting,
     aggregators,
     diversity,
+    individual,
     metrics,
     samplers,
     sparse,
@@ -62,6 +70,11 @@ TITLE = "Hot PATE ablations: temperature, aggregators, privacy cost, API-only te
 SAMPLERS = ("coordinated", "independent")
 AGGREGATORS = ("TARGMAX", "TWS", "DPARGMAX", "DPWS")
 STREAM_METHODS = {"dpargmax": "DPARGMAX, every step charged", "sparse": "sparse vector gate"}
+ACCOUNTINGS = {
+    "individual": "individual (filter)",
+    "standard_stop": "standard, stops at M",
+    "standard_sigma": "standard, σ for the stream",
+}
 
 
 def _histograms(sampler: str, key: jax.Array, logits: jax.Array, r: int, temperature=1.0):
@@ -454,6 +467,160 @@ def run_stream(config: configs.AblationsConfig, key: jax.Array, log) -> list[dic
 
 
 # --------------------------------------------------------------------------------------------
+# (j) Individual accounting.
+# --------------------------------------------------------------------------------------------
+
+
+def group_stream(config: configs.AblationsConfig, key: jax.Array, steps: int) -> dict:
+    """The public description of a heterogeneous stream of `steps` steps: the group steps
+    (`individual_group_share` of them, at random), each one's group (`individual_group_size`
+    random teachers) as an `(steps, n)` mask (all False off the group steps), a token per step
+    (the group's, at a group step), the teachers' fixed jitter directions `(n, V)` and the keys
+    of the public model's logits."""
+    key_steps, key_groups, key_tokens, key_jitter, key_public = jax.random.split(key, 5)
+    n, vocab = config.num_teachers, config.vocab_size
+    group_steps = max(1, round(config.individual_group_share * steps))
+    is_group = np.zeros(steps, bool)
+    is_group[np.asarray(jax.random.permutation(key_steps, steps))[:group_steps]] = True
+    size = config.individual_group_size
+    chosen = jax.vmap(lambda k: jax.random.permutation(k, n)[:size])(
+        jax.random.split(key_groups, steps)
+    )
+    members = np.zeros((steps, n), bool)
+    members[np.repeat(np.arange(steps), size), np.asarray(chosen).ravel()] = True
+    return {
+        "is_group": is_group,
+        "members": members & is_group[:, None],
+        "tokens": np.asarray(jax.random.randint(key_tokens, (steps,), 0, vocab)),
+        "jitter": jax.random.normal(key_jitter, (n, vocab), jnp.float32),
+        "public_keys": jax.random.split(key_public, steps),
+    }
+
+
+@jax.jit(static_argnames=("mechanism", "logit_scale", "group_mass"))
+def _individual_scan(
+    key,
+    public_keys,
+    tokens,
+    members,
+    jitter,
+    heterogeneity,
+    budget,
+    *,
+    mechanism,
+    logit_scale,
+    group_mass,
+):
+    """`individual.individual_step` over a stream built step by step from `group_stream`'s
+    arrays: the public logits logit_scale·N(0, 1) with the step's token at their minimum, every
+    teacher at the public logits + heterogeneity·jitter, and the group's teachers with
+    `group_mass` on the step's token. Returns (tokens, from_public, final charges)."""
+    vocab = jitter.shape[1]
+    index = jnp.arange(vocab)
+
+    def body(charges, inputs):
+        step_key, public_key, token, group = inputs
+        public = logit_scale * jax.random.normal(public_key, (vocab,), jnp.float32)
+        public = jnp.where(index == token, public.min(), public)
+        rest = jax.nn.logsumexp(jnp.where(index == token, -jnp.inf, public))
+        boost = jnp.log(group_mass / (1.0 - group_mass)) + rest
+        teachers = public[None] + heterogeneity * jitter
+        teachers = jnp.where(group[:, None] & (index == token)[None], boost, teachers)
+        out, charges, info = individual.individual_step(
+            step_key, teachers, public, charges, mechanism, budget
+        )
+        return charges, (out, info.from_public)
+
+    keys = jax.random.split(key, tokens.shape[0])
+    charges = jnp.zeros(jitter.shape[0], jnp.int32)
+    charges, (out, from_public) = jax.lax.scan(body, charges, (keys, public_keys, tokens, members))
+    return out, from_public, charges
+
+
+def _accounting_row(config, stream, method, mechanism, heterogeneity, key, run) -> dict:
+    """Runs the first `run` steps of `stream` under `mechanism`; the row of `method`."""
+    out, from_public, charges = _individual_scan(
+        key,
+        stream["public_keys"][:run],
+        jnp.asarray(stream["tokens"][:run]),
+        jnp.asarray(stream["members"][:run]),
+        stream["jitter"],
+        jnp.float32(heterogeneity),
+        mechanism.budget,
+        mechanism=mechanism,
+        logit_scale=config.individual_logit_scale,
+        group_mass=config.individual_group_mass,
+    )
+    out, from_public, charges = map(np.asarray, (out, from_public, charges))
+    is_group = stream["is_group"][:run]
+    correct = is_group & (out == stream["tokens"][:run])
+    steps = len(stream["tokens"])
+    if method == "individual":
+        ledger = individual.IndividualLedger.start(mechanism, config.num_teachers)
+        ledger.record(charges, steps=run)
+        mean_charge, max_charge, epsilon = ledger.mean_charge, ledger.max_charge, ledger.epsilon
+        exhausted = int((charges == mechanism.budget).sum())
+    else:  # every teacher charged at every step run
+        mean_charge, max_charge = float(run), run
+        epsilon = individual.rdp_epsilon(mechanism.sigma, run, mechanism.delta)
+        exhausted = config.num_teachers if run == mechanism.budget else 0
+    return {
+        "steps": steps,
+        "heterogeneity": heterogeneity,
+        "method": method,
+        "sigma": mechanism.sigma,
+        "threshold": mechanism.threshold,
+        "budget": mechanism.budget,
+        "steps_run": run,
+        "group_steps": int(stream["is_group"].sum()),
+        "group_correct": int(correct.sum()),
+        "other_histogram_tokens": int((~from_public & ~correct).sum()),
+        "fallback_tokens": int(from_public.sum()),
+        "mean_charge": mean_charge,
+        "max_charge": max_charge,
+        "teachers_exhausted": exhausted,
+        "epsilon": epsilon,
+        "delta": mechanism.delta,
+    }
+
+
+def run_individual(config: configs.AblationsConfig, key: jax.Array, log) -> list[dict]:
+    target, delta, vocab = config.stream_epsilon, config.stream_delta, config.vocab_size
+
+    def mechanism(sigma):
+        return individual.IndividualConfig(
+            sigma=sigma,
+            threshold=individual.threshold_for(sigma, vocab, config.individual_eta),
+            epsilon=target,
+            delta=delta,
+        )
+
+    filtered = mechanism(config.individual_sigma)
+    rows = []
+    for steps in config.stream_steps:
+        key, key_stream, key_run = jax.random.split(key, 3)
+        stream = group_stream(config, key_stream, steps)
+        wide = mechanism(individual.sigma_for_steps(steps, target, delta))
+        for heterogeneity in config.individual_heterogeneity:
+            cases = (
+                ("individual", filtered, steps),
+                ("standard_stop", filtered, min(steps, filtered.budget)),
+                ("standard_sigma", wide, steps),
+            )
+            for method, mech, run in cases:
+                row = _accounting_row(config, stream, method, mech, heterogeneity, key_run, run)
+                rows.append(row)
+                log(
+                    f"(j) {steps} steps, h = {heterogeneity:g}, {ACCOUNTINGS[method]}:"
+                    f" {row['steps_run']} run, {row['group_correct']}/{row['group_steps']} group"
+                    f" tokens, {row['fallback_tokens']} fallback, charges mean"
+                    f" {row['mean_charge']:.1f} max {row['max_charge']} (M = {row['budget']}),"
+                    f" ε {row['epsilon']:.3f}"
+                )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
 # The run and its report.
 # --------------------------------------------------------------------------------------------
 
@@ -463,6 +630,7 @@ PARTS = {
     "privacy_cost": run_privacy_cost,
     "api_teachers": run_api_teachers,
     "stream": run_stream,
+    "individual": run_individual,
 }
 
 
@@ -472,7 +640,7 @@ def main(
     *,
     reproducible: bool = False,
 ) -> dict:
-    """Runs the five parts; returns (and, with `out`, writes) the results."""
+    """Runs the six parts; returns (and, with `out`, writes) the results."""
     start = time.time()
 
     def log(message: str) -> None:
@@ -501,7 +669,7 @@ def _epsilon(value: float | None) -> str:
 
 
 def markdown(config: configs.AblationsConfig, results: dict) -> str:
-    """The four tables and their settings as a titled markdown page."""
+    """The tables and their settings as a titled markdown page."""
     n, level = config.num_teachers, config.coverage_level
     lines = [
         f"# {TITLE}",
@@ -602,6 +770,25 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
             f" {row['epsilon']:.3f} | {row['answered']:.2f} | {row['correct']:.2f} |"
             f" {row['answered_unanswerable']:.3f} |"
         )
+    lines += [
+        "",
+        f"(j) Individual accounting: heterogeneous streams of n = {n} teachers, each teacher at"
+        f" (ε, δ) = ({config.stream_epsilon:g}, {config.stream_delta:g}); group tokens released"
+        " among the group steps, other tokens from the noisy histogram, tokens from the public"
+        " fallback, and the charges per teacher (M: the charges the budget allows).",
+        "",
+        "| steps | h | accounting | σ | T | steps run | group tokens | other histogram tokens |"
+        " public fallback | mean charge | max charge | M | ε |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["individual"]:
+        lines.append(
+            f"| {row['steps']} | {row['heterogeneity']:g} | {ACCOUNTINGS[row['method']]} |"
+            f" {row['sigma']:.3g} | {row['threshold']:.3g} | {row['steps_run']} |"
+            f" {row['group_correct']} / {row['group_steps']} | {row['other_histogram_tokens']} |"
+            f" {row['fallback_tokens']} | {row['mean_charge']:.1f} | {row['max_charge']} |"
+            f" {row['budget']} | {row['epsilon']:.3f} |"
+        )
     groups = ", ".join(str(g) for g in config.group_sizes)
     lines += [
         "",
@@ -624,7 +811,19 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
         f" (`pate.sparse`, gate ε = {config.gate_epsilon:g} of which"
         f" {config.gate_threshold_share:g} on the threshold, c = {config.max_answers})"
         " charged for its c answers only, its selections' ε the largest that keeps the run's"
-        " ε (dp-accounting PLD) at the total.",
+        " ε (dp-accounting PLD) at the total. (j): public logits"
+        f" {config.individual_logit_scale:g}·N(0, 1) over V = {config.vocab_size}, fresh each"
+        " step; every teacher at the public logits plus a fixed jitter h·N(0, 1) of its own; at"
+        f" {config.individual_group_share:g} of the steps a random group of"
+        f" {config.individual_group_size} teachers puts {config.individual_group_mass:g} of its"
+        " mass on the public model's least likely token. One mechanism (`pate.individual`):"
+        " votes under shared Gumbel noise, a teacher agreeing with the public vote abstains,"
+        " Gaussian noise σ on every count, a token with noisy count >= T ="
+        f" σ·sqrt(2·ln(V/{config.individual_eta:g})) drawn in proportion to it, else the public"
+        " vote. Individual: a Rényi filter charges a teacher only when it votes, at most M times;"
+        " standard: every teacher charged at every step, so the run stops after M steps, or σ is"
+        " the smallest whose M covers the stream. ε: dp-accounting's RDP of M (individual) or"
+        " of the steps run (standard) Gaussian compositions; the charges are measured.",
         SEEDED_NOTE if results.get("noise_seeded") else "Draws secret.",
     ]
     return "\n".join(lines)
@@ -639,8 +838,9 @@ def write(out: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
 
 
 def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> None:
-    """T at coverage vs temperature, calls within the budget vs k, coverage vs m."""
-    fig, (temp_ax, cost_ax, api_ax) = plt.subplots(1, 3, figsize=(15, 4.5))
+    """T at coverage vs temperature, calls within the budget vs k, coverage vs m, and (j)'s
+    group tokens released vs the stream's length."""
+    fig, (temp_ax, cost_ax, api_ax, individual_ax) = plt.subplots(1, 4, figsize=(20, 4.5))
     styles = {"coordinated": "-", "independent": "--"}
     for index, k in enumerate(config.temperature_set_sizes):
         rows = [r for r in results["temperature"] if r["k"] == k]
@@ -696,6 +896,29 @@ def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
                 )
     api_ax.set(xscale="log", xlabel="answers per teacher m", ylabel="coverage at T = n/2")
     api_ax.legend(fontsize=7)
+    for index, method in enumerate(ACCOUNTINGS):
+        for position, heterogeneity in enumerate(config.individual_heterogeneity):
+            style = ("-", "--", ":", "-.")[position % 4]
+            rows = [
+                r
+                for r in results["individual"]
+                if r["method"] == method and r["heterogeneity"] == heterogeneity
+            ]
+            individual_ax.plot(
+                [r["steps"] for r in rows],
+                [r["group_correct"] / r["group_steps"] for r in rows],
+                style,
+                marker="o",
+                color=f"C{index}",
+                label=f"{ACCOUNTINGS[method]}, h = {heterogeneity:g}",
+            )
+    individual_ax.set(
+        xscale="log",
+        xlabel="stream length (steps)",
+        ylabel="group tokens released / group steps",
+        ylim=(-0.02, 1.02),
+    )
+    individual_ax.legend(fontsize=7)
     fig.suptitle(
         f"Hot PATE ablations, n = {config.num_teachers} synthetic teachers;"
         f" r = {config.num_histograms} histograms per point",

@@ -169,9 +169,24 @@ def test_secret_share_pools_the_passing_votes():
     assert ablations.secret_share(hist, np.array([0]), 9) is None
 
 
+def test_group_stream_has_its_groups_on_its_group_steps():
+    config = configs.get_config("tiny")
+    stream = ablations.group_stream(config, jax.random.key(0), 200)
+    is_group, members = stream["is_group"], stream["members"]
+    assert is_group.sum() == round(config.individual_group_share * 200)
+    assert (members[is_group].sum(axis=1) == config.individual_group_size).all()
+    assert not members[~is_group].any()
+    assert stream["jitter"].shape == (config.num_teachers, config.vocab_size)
+    assert ((stream["tokens"] >= 0) & (stream["tokens"] < config.vocab_size)).all()
+
+
 def test_the_config_refuses_inconsistent_settings():
     with pytest.raises(ValueError, match="group_sizes"):
         configs.AblationsConfig(num_teachers=100)
+    with pytest.raises(ValueError, match="individual_group_size"):
+        configs.AblationsConfig(individual_group_size=0)
+    with pytest.raises(ValueError, match="individual_heterogeneity"):
+        configs.AblationsConfig(individual_heterogeneity=(-0.1,))
     with pytest.raises(ValueError, match="temperatures"):
         configs.AblationsConfig(temperatures=(1.0, 0.0))
     with pytest.raises(ValueError, match="call_delta"):
@@ -205,6 +220,20 @@ def test_tiny_run_writes_its_report_and_shows_the_contrasts(tmp_path):
     assert hetero["TARGMAX", "coordinated"]["groups_transferred"] == 1
     for row in results["temperature"]:
         assert row["coordinated"]["threshold"] >= row["independent"]["threshold"]
+    # (j): the filter keeps answering the groups where charging every teacher at every step
+    # stops after M steps, and no teacher is charged more than M times.
+    rows = {(r["steps"], r["heterogeneity"], r["method"]): r for r in results["individual"]}
+    longest = max(config.stream_steps)
+    for h in config.individual_heterogeneity:
+        mine, stop, wide = (rows[longest, h, method] for method in ablations.ACCOUNTINGS)
+        assert mine["steps_run"] == longest and stop["steps_run"] == stop["budget"] < longest
+        assert mine["group_correct"] > stop["group_correct"]
+        assert mine["group_correct"] > wide["group_correct"]
+        assert mine["group_correct"] >= 0.5 * mine["group_steps"]
+    for row in results["individual"]:
+        assert row["max_charge"] <= row["budget"]
+        assert row["epsilon"] <= config.stream_epsilon
+        assert row["other_histogram_tokens"] + row["fallback_tokens"] <= row["steps_run"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,3 +335,24 @@ def test_a_sparse_gate_makes_steps_with_no_output_free(stored):
     per_call = [rows[s, "dpargmax"]["per_answer_epsilon"] for s in config.stream_steps]
     assert per_call == sorted(per_call, reverse=True)
     assert len({rows[s, "sparse"]["per_answer_epsilon"] for s in config.stream_steps}) == 1
+
+
+def test_individual_accounting_answers_the_groups_to_the_end(stored):
+    """At the same per-teacher (ε, δ), the Rényi filter charges a teacher only for the steps in
+    which it votes against the public model: the groups are answered all along the stream. The
+    standard accounting charges every teacher every step: it stops after M steps, or, with the σ
+    that covers the stream, drowns the groups from 1000 steps on. No teacher is ever charged more
+    than M times."""
+    config = configs.get_config("cpu")
+    rows = {(r["steps"], r["heterogeneity"], r["method"]): r for r in stored["individual"]}
+    for row in stored["individual"]:
+        assert row["max_charge"] <= row["budget"]
+        assert row["epsilon"] <= config.stream_epsilon
+    for steps in config.stream_steps:
+        for h in config.individual_heterogeneity:
+            mine, stop, wide = (rows[steps, h, method] for method in ablations.ACCOUNTINGS)
+            assert mine["steps_run"] == steps and stop["steps_run"] == min(steps, stop["budget"])
+            assert mine["group_correct"] >= 0.5 * mine["group_steps"]
+            if steps >= 1000:
+                assert mine["group_correct"] > 5 * max(stop["group_correct"], 1)
+                assert wide["group_correct"] <= 0.05 * wide["group_steps"]

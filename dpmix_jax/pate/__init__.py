@@ -2,7 +2,8 @@
 
 Modules: `samplers` (coordinated / independent vote histograms), `aggregators` (TARGMAX, TWS and
 their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent RDP),
-`smooth_sensitivity` (private release of the data-dependent ε), `diversity` (the (τ, β, γ)
+`smooth_sensitivity` (private release of the data-dependent ε), `individual` (per-teacher
+accounting of heterogeneous ensembles with a Rényi filter), `diversity` (the (τ, β, γ)
 diversity-preservation guarantee measured), `metrics` (coverage, support, yield, margins),
 `generation` (private decoding), `teachers` (in-context GPT-2 teachers), `public` (public GPT-2
 models: load, store, train, fallback), `synthesize` (private synthetic text from a folder of
@@ -17,6 +18,7 @@ from dpmix_jax.pate import (
     aggregators,
     diversity,
     generation,
+    individual,
     metrics,
     samplers,
     smooth_sensitivity,
@@ -31,12 +33,15 @@ from dpmix_jax.pate.aggregators import (
     tws_probabilities,
 )
 from dpmix_jax.pate.generation import GenerationConfig, GenerationResult, Teachers, generate
+from dpmix_jax.pate.individual import IndividualConfig, IndividualLedger, individual_step
 from dpmix_jax.pate.samplers import coordinated_histograms, independent_histograms
 
 __all__ = [
     "FAIL",
     "GenerationConfig",
     "GenerationResult",
+    "IndividualConfig",
+    "IndividualLedger",
     "Teachers",
     "accounting",
     "aggregators",
@@ -48,6 +53,8 @@ __all__ = [
     "generate",
     "generation",
     "independent_histograms",
+    "individual",
+    "individual_step",
     "metrics",
     "samplers",
     "smooth_sensitivity",

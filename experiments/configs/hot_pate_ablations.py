@@ -3,7 +3,7 @@
 Command:
     python -m experiments.hot_pate_ablations --out DIR --reproducible [--preset cpu|tiny]
 
-Five parts, all on synthetic teachers with a known ground truth (`pate.diversity`):
+Six parts, all on synthetic teachers with a known ground truth (`pate.diversity`):
 
 (e) temperature: the secret-set ensembles of `experiments.hot_pate` (a) at n = 512, V = 2000,
     k = 2 and 10, every teacher sampled at temperature t in {0.5, 0.75, 1, 1.5, 2}: coverage at
@@ -32,8 +32,22 @@ Five parts, all on synthetic teachers with a known ground truth (`pate.diversity
     the stream is 8) against the sparse vector gate of `pate.sparse` (c = 30 answers, gate
     ε = 5 of which 1 on the threshold, each selection's ε3 the largest that keeps the run's ε at
     8): answered and correct steps among the answerable, answers among the others.
+(j) individual accounting (`pate.individual`): streams of 100, 1000 and 10,000 steps of a
+    heterogeneous ensemble of n = 512 teachers (one user each) and a public model (logits
+    3·N(0, 1) over V = 2000, fresh each step). At 5% of the steps a group of 48 random teachers
+    knows a token the public model gives its least mass (0.9 of the group's mass on it); at
+    every step each teacher's logits are the public model's plus a fixed jitter h·N(0, 1) of its
+    own, h in {0, 0.01}. Same mechanism (votes under shared Gumbel noise, a teacher that agrees
+    with the public vote abstains, Gaussian noise σ = 6 on every count, threshold
+    T = σ·sqrt(2·ln(V/0.01)), else the public vote), at a per-teacher (ε, δ) = (8, 1e-6):
+    individual accounting (a Rényi filter: each teacher charged only when it votes, at most
+    M = 75 times) against the standard accounting (every teacher charged every step: the run
+    stops after M steps) and against the standard accounting with the σ that runs the whole
+    stream: group tokens released, tokens from the histogram and from the public fallback,
+    the mean and max charge per teacher, and the (ε, δ) each guarantees.
 
-`tiny` runs every part at toy sizes (n = 64, V = 200, r = 200); the tests run it.
+`tiny` runs every part at toy sizes (n = 64, V = 200, r = 200; (j): groups of 12, 10% of the
+steps, σ = 2); the tests run it.
 The cpu preset's run time and results are in docs/generate.md, rebuilt from the stored run.
 """
 
@@ -46,7 +60,7 @@ __all__ = ["AblationsConfig", "get_config"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AblationsConfig:
-    """Public settings of the four ablations.
+    """Public settings of the ablations.
 
     Attributes:
         num_teachers: n of every ensemble.
@@ -70,10 +84,19 @@ class AblationsConfig:
         api_samples: the m values of (h).
         stream_steps: the stream lengths of (i).
         answerable_steps: the steps of each stream that can be answered, in (i).
-        stream_epsilon, stream_delta: the total (ε, δ) of every method in (i).
+        stream_epsilon, stream_delta: the total (ε, δ) of every method in (i), and each
+            teacher's (ε, δ) in (j).
         max_answers: the sparse gate's c in (i).
         gate_epsilon: the sparse gate's ε1 + ε2 in (i).
         gate_threshold_share: ε1 / (ε1 + ε2) in (i).
+        individual_sigma: σ of the Gaussian noise on every count in (j).
+        individual_eta: η of (j)'s threshold T = σ·sqrt(2·ln(V/η)) (a token with no vote passes
+            with probability <= η/(2V)).
+        individual_group_size: teachers that know the group token at a group step of (j).
+        individual_group_share: the share of (j)'s steps that are group steps.
+        individual_group_mass: the group's mass on its token in (j).
+        individual_heterogeneity: the jitters h of the teachers' logits in (j).
+        individual_logit_scale: the scale of the public model's logits in (j).
         seed: seed of the ensembles and of every draw.
         progress: print a line per setting.
     """
@@ -106,6 +129,13 @@ class AblationsConfig:
     max_answers: int = 30
     gate_epsilon: float = 5.0
     gate_threshold_share: float = 0.2
+    individual_sigma: float = 6.0
+    individual_eta: float = 0.01
+    individual_group_size: int = 48
+    individual_group_share: float = 0.05
+    individual_group_mass: float = 0.9
+    individual_heterogeneity: tuple[float, ...] = (0.0, 0.01)
+    individual_logit_scale: float = 3.0
     seed: int = 0
     progress: bool = True
 
@@ -139,6 +169,20 @@ class AblationsConfig:
             raise ValueError("answerable_steps and max_answers must be >= 1.")
         if not 0 < self.stream_delta < 1 or not 0 < self.gate_threshold_share < 1:
             raise ValueError("stream_delta and gate_threshold_share must be in (0, 1).")
+        if not 1 <= self.individual_group_size <= self.num_teachers:
+            raise ValueError(
+                f"individual_group_size must be in [1, num_teachers], got"
+                f" {self.individual_group_size}."
+            )
+        for name in ("individual_eta", "individual_group_share", "individual_group_mass"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}.")
+        if not self.individual_heterogeneity or min(self.individual_heterogeneity) < 0:
+            raise ValueError(
+                f"individual_heterogeneity must be >= 0, got {self.individual_heterogeneity}."
+            )
+        if not self.individual_sigma > 0 or not self.individual_logit_scale > 0:
+            raise ValueError("individual_sigma and individual_logit_scale must be > 0.")
 
 
 def get_config(preset: str = "cpu") -> AblationsConfig:
@@ -159,5 +203,8 @@ def get_config(preset: str = "cpu") -> AblationsConfig:
             stream_steps=(50, 200),
             answerable_steps=5,
             max_answers=8,
+            individual_sigma=2.0,
+            individual_group_size=12,
+            individual_group_share=0.1,
         )
     raise ValueError(f"preset must be 'cpu' or 'tiny', got {preset!r}.")
