@@ -48,7 +48,8 @@ Six parts, all on synthetic teachers with a known ground truth (`pate.diversity`
 
 `tiny` runs every part at toy sizes (n = 64, V = 200, r = 200; (j): groups of 12, 10% of the
 steps, σ = 2); the tests run it.
-The cpu preset's run time and results are in docs/generate.md, rebuilt from the stored run.
+The cpu preset (about 3 minutes on 2 CPU cores) and its results are in docs/experiments.md
+("Hot PATE ablations"), rebuilt from the stored run.
 """
 
 from __future__ import annotations
