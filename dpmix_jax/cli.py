@@ -586,7 +586,7 @@ def _report(args: argparse.Namespace) -> int:
         ]
     counts = sum((numbers.check_file(path, args.results)[1] for path in documents), Counter())
     print(
-        f"numbers in the prose: {counts['derived']} match their stored runs, "
+        f"numbers in the prose: {counts['derived']} derived from stored runs or formulas, "
         f"{counts['paper']} are the papers', {counts['setting']} settings, {counts['unstored']} "
         "measured outside a stored run"
     )

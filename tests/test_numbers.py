@@ -123,7 +123,7 @@ def test_check_markdown_and_the_command_fail_on_a_stale_prose_number(results_dir
         assert cli.main([*arguments, str(good), str(stale)]) == 1
         out, err = capsys.readouterr()
         assert "the text says 67.70" in err
-        assert "numbers in the prose: 1 match their stored runs" in out
+        assert "numbers in the prose: 1 derived from stored runs or formulas" in out
     assert (
         cli.main(["report", "--check", "--results", str(results_dir), "--readme", str(good)]) == 0
     )
@@ -146,3 +146,21 @@ def test_a_number_followed_by_a_unit_or_a_power_is_found_and_must_be_listed(resu
     ]
     text = page("Took 1.06x and N(0, 0.5²) noise.", "1.06 = paper", "0.5 = setting")
     assert check(text, results_dir) == ([], {"paper": 1, "setting": 1})
+
+
+def test_every_paragraph_of_prose_with_a_decimal_needs_a_block(results_dir):
+    text = (
+        "# Page\n\nIt reached 0.93 on the test set.\n\n"
+        "```\nprint(0.5)\n```\n\n"
+        "    x = 0.25  # indented code\n\n"
+        "| a | b |\n|---|---|\n| 0.7 | 1 |\n\n"
+        "<!-- table:toy markdown -->\n0.9\n<!-- /table -->\n\n"
+        "A formula: 1.155 is 2/sqrt(3).\n<!-- numbers\n1.155 = 2 / sqrt(3)\n-->\n\n"
+        "No decimals here, 3 of them.\n"
+    )
+    problems, counts = check(text, results_dir)
+    assert problems == [
+        "page.md:3: a paragraph with 0.93 has no numbers block (derive its measured numbers; "
+        "declare settings and the papers' values)"
+    ]
+    assert counts == {"derived": 1}

@@ -16,15 +16,16 @@ as written (a number token; `10,435` keeps its comma), and the expression's valu
 the literal's decimals, must print as the literal. Three words declare a number that no
 stored run gives: `paper` (a paper's value), `setting` (an input of the run) and `unstored`
 (measured, but not kept in a stored run: say how in the text); `dpmix report` counts each kind.
-Every number with a decimal point in the paragraph must be listed, so that no measured decimal
-goes unchecked.
+Every number with a decimal point in the paragraph must be listed, and every paragraph of prose
+with a decimal point must have a block, so that no measured decimal goes unchecked.
 
 Expressions are arithmetic (`+ - * / **`, unary minus) over numbers, strings, lists and these
 names: `r` (the first named file's JSON), `R["NAME"]` (any named file's JSON), `cell(row,
 column, index=0, name=None)` (the index-th number of a cell of the stored markdown's tables,
 found by the row's first cell and the column's header), `values(rows, field, **equal)` (the
 field of each dict in `rows` whose items equal `equal`), `mean`, `std` (population), `min`,
-`max`, `abs`, `sum`, `len`. Nothing else is evaluated: the block is data, not code.
+`max`, `abs`, `sum`, `len`, `log`, `sqrt` (a formula's value needs no run). Nothing else is
+evaluated: the block is data, not code.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import ast
 import collections
 import json
+import math
 import operator
 import pathlib
 import re
@@ -134,6 +136,8 @@ def evaluate(expression: str, results: _Results) -> Any:
         "abs": abs,
         "sum": sum,
         "len": len,
+        "log": math.log,
+        "sqrt": math.sqrt,
     }
 
     def value(node: ast.AST) -> Any:
@@ -235,7 +239,30 @@ def check_text(
                     f"{where}:{line_of_block}: {literal} in the paragraph above has no line in "
                     "its numbers block"
                 )
+    problems.extend(f"{where}:{line}" for line in _paragraphs_without_block(text))
     return problems, counts
+
+
+def _paragraphs_without_block(text: str) -> list[str]:
+    """'LINE: ...' for each prose paragraph with a decimal number and no numbers block after it.
+
+    Generated tables, code, hidden comments and markdown tables are not prose (a hand-written
+    table's numbers are checked by the test that generates it, or are settings)."""
+    hidden = re.compile(r"<!-- table:.*?<!-- /table -->|```.*?```|<!--.*?-->", re.S)
+    masked = hidden.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), text)
+    found = []
+    for chunk in re.finditer(r"(?:[^\n]*\S[^\n]*(?:\n|$))+", masked):
+        lines = [line for line in chunk[0].splitlines() if line.strip()]
+        if lines[0].lstrip().startswith("|") or all(line.startswith("    ") for line in lines):
+            continue
+        decimals = DECIMAL.findall(chunk[0])
+        if decimals and not text.startswith("<!-- numbers", chunk.end()):
+            line = text.count("\n", 0, chunk.start()) + 1
+            found.append(
+                f"{line}: a paragraph with {', '.join(decimals[:3])} has no numbers block "
+                "(derive its measured numbers; declare settings and the papers' values)"
+            )
+    return found
 
 
 def check_file(
