@@ -23,7 +23,6 @@ partition's rate, σ calibrated to the same target ε):
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import statistics
 import time
@@ -48,6 +47,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.k_scaling import mixture_problem
+from experiments.run_files import write_results
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -431,9 +431,8 @@ def main(config: CorrelatedNoiseConfig, out: pathlib.Path, *, reproducible: bool
         "noise_step": noise_step_rows(config),
     }
     results["wall_s"] = time.time() - start
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
-    (out / "results.md").write_text(text + "\n")
+    write_results(out, results, text)
     print(text)
     return results
 

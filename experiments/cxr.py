@@ -9,7 +9,6 @@ one patient with all of their images (user-level DP in both private stages, up t
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -35,6 +34,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.configs.nih import CxrExperimentConfig, get_config
+from experiments.run_files import write_results
 
 # G of `--privacy-unit patient` unless given: a NIH patient has 3.6 images on average.
 DEFAULT_MAX_IMAGES_PER_PATIENT = 4
@@ -166,9 +166,8 @@ def main(
     }
     keep_provenance_of_computing_run(summary, out_dir / "results.json", key="macro")
     table = macro_markdown(summary)
-    (out_dir / "results.json").write_text(json.dumps(summary, indent=1))
     randomness = SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."
-    (out_dir / "results.md").write_text(f"{table}\n\n{randomness}\n")
+    write_results(out_dir, summary, f"{table}\n\n{randomness}")
     print(table)
     return summary["macro"]
 

@@ -11,7 +11,6 @@ utility against ρ, then every ρ's tables).
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 from types import ModuleType
@@ -39,6 +38,7 @@ from experiments.common_args import (
 )
 from experiments.configs import enron as configs
 from experiments.configs.enron import TextExperimentConfig
+from experiments.run_files import write_results
 
 
 def build_task(config: TextExperimentConfig) -> DomainTextTask:
@@ -101,8 +101,7 @@ def main(
         "provenance": provenance(),
     }
     keep_provenance_of_computing_run(summary, out_dir / "results.json", key="per_rho")
-    (out_dir / "results.json").write_text(json.dumps(summary, indent=2, default=str))
-    (out_dir / "results.md").write_text(rho_markdown(summary) + "\n\n" + "\n".join(tables))
+    write_results(out_dir, summary, rho_markdown(summary) + "\n\n" + "\n".join(tables))
     return results
 
 

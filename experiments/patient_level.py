@@ -42,6 +42,7 @@ from experiments.common_args import (
     experiment_parser,
     with_common_options,
 )
+from experiments.run_files import write_results
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -171,9 +172,8 @@ def main(
         "table": table_rows(units, config),
         "wall_s": time.time() - start,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
-    (out / "results.md").write_text(text)
+    write_results(out, results, text)
     print(text)
     return results
 

@@ -7,7 +7,6 @@ See `experiments/configs/per_task.py` for the commands and the paper's numbers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +36,7 @@ from experiments.common_args import (
 )
 from experiments.configs.nih import CxrExperimentConfig
 from experiments.configs.per_task import PerTaskConfig, get_config
+from experiments.run_files import write_results
 
 METHODS = ("dp_mixmin", "uniform", "random_search", "random_init")
 BASELINE = "random_init"
@@ -535,9 +535,8 @@ def main(
         "provenance": provenance(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(report, indent=1, default=float))
     text = markdown(report)
-    (out_dir / "results.md").write_text(text)
+    write_results(out_dir, report, text)
     plot(report, out_dir / "per_task_gains.png")
     print(text)
     return report

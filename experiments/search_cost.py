@@ -24,7 +24,6 @@ results.md and search_cost.png.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -53,6 +52,7 @@ from experiments.common_args import (  # noqa: E402
     with_common_options,
 )
 from experiments.configs import search_cost as configs  # noqa: E402
+from experiments.run_files import write_results  # noqa: E402
 
 TITLE = "Search cost: Random Search's privacy budget against DP-MixMin's, by number of sources k"
 
@@ -366,8 +366,7 @@ def markdown(config: configs.SearchCostConfig, results: dict) -> str:
 def write(out: pathlib.Path, config: configs.SearchCostConfig, results: dict) -> None:
     """Writes results.json, results.md and search_cost.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(markdown(config, results) + "\n")
+    write_results(out, results, markdown(config, results))
     per_k = results["per_k"]
     ks = np.array([row["k"] for row in per_k])
     found = np.array([row["m_star"] is not None for row in per_k])

@@ -40,6 +40,7 @@ from experiments.common_args import (  # noqa: E402
 )
 from experiments.configs import shift_study as configs  # noqa: E402
 from experiments.configs import small_eps as small_eps_configs  # noqa: E402
+from experiments.run_files import write_results  # noqa: E402
 
 
 def run_cells(
@@ -386,9 +387,8 @@ def main(
         "wall_s": time.time() - start,
         "provenance": provenance(),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
-    (out / "results.md").write_text(text + "\n")
+    write_results(out, results, text)
     plot(results, out / "cosine_vs_clip_norm.png")
     print(text)
     return results

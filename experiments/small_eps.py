@@ -38,6 +38,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.configs import small_eps as configs  # noqa: E402
+from experiments.run_files import write_results  # noqa: E402
 
 # The papers' cosines to non-private MixMin (Tables 11, 14, 15): (DP-MixMin, uniform reference).
 PAPER = {
@@ -400,9 +401,8 @@ def main(
         "wall_s": time.time() - start,
         "provenance": provenance(),
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
-    (out / "results.md").write_text(text + "\n")
+    write_results(out, results, text)
     plot(results, out / "cosine_vs_epsilon.png")
     print(text)
     return results

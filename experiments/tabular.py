@@ -42,6 +42,7 @@ from experiments.common_args import (
     with_common_options,
 )
 from experiments.configs.tabular import TabularStudyConfig, get_config
+from experiments.run_files import write_results
 
 
 def task_summary(task) -> dict:
@@ -105,9 +106,8 @@ def main(
         "differences": differences(runs, config),
         "wall_s": time.time() - start,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
-    (out / "results.md").write_text(text)
+    write_results(out, results, text)
     plot(results, out / "utility_vs_epsilon.png")
     if not quiet:
         print(text)

@@ -49,6 +49,7 @@ from experiments.common_args import (  # noqa: E402
     with_common_options,
 )
 from experiments.configs import text_peers as configs  # noqa: E402
+from experiments.run_files import write_results  # noqa: E402
 
 TITLE = "Private text generators head to head: topic-conditioned lines on the BBC domains"
 LABELS = {
@@ -567,8 +568,7 @@ def write(
 ) -> None:
     """Writes results.json, results.md, samples.jsonl and text_peers.png under `out`."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(markdown(config, results) + "\n")
+    write_results(out, results, markdown(config, results))
     with (out / "samples.jsonl").open("w") as f:
         for sample in samples:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
