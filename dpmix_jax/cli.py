@@ -685,7 +685,28 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="teachers n, at most the units; fix it without looking at the data's size "
-        "(required with --documents; the text default uses 512)",
+        "(required with --documents; the text default uses 512); with --accounting individual "
+        "every unit is a teacher: omit it, or give the number of units",
+    )
+    generate.add_argument(
+        "--accounting",
+        choices=("standard", "individual"),
+        default="standard",
+        help="standard: every aggregator call charged to every teacher (data independent); "
+        "individual: per-unit accounting by a Rényi filter (pate.individual): one in-context "
+        "teacher per unit, coordinated votes, a teacher agreeing with the public model's vote "
+        "abstains uncharged, Gaussian noise on every count, each teacher charged at most "
+        "--charges-per-teacher times; ε is per unit, from that bound (only with the default "
+        "--method, --aggregator and --teachers)",
+    )
+    generate.add_argument(
+        "--charges-per-teacher",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --accounting individual: the charges each teacher may have, from 1 to "
+        "--num-samples × --max-new-tokens (at that bound every teacher may be charged at every "
+        "step); default: that product / 4, rounded up",
     )
     generate.add_argument(
         "--out",
@@ -712,17 +733,20 @@ def _generate(args: argparse.Namespace) -> int:
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     if not low <= args.epsilon <= high:
         raise ValueError(f"argument --epsilon must be in [{low:g}, {high:g}], got {args.epsilon:g}")
+    individual = args.accounting == "individual"
     num_teachers = _TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers
-    accounting.check_delta_for_units(
-        args.delta, max(num_teachers, 1), unit="teachers", name="argument --delta"
-    )
+    if not individual or args.num_teachers is not None:  # else δ < 1/units, checked on the data
+        accounting.check_delta_for_units(
+            args.delta, max(num_teachers, 1), unit="teachers", name="argument --delta"
+        )
     for name in ("num_samples", "max_new_tokens"):
         accounting.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
     if args.tuning_steps is not None:
         if args.teachers != "fine-tuned":
             raise ValueError("argument --tuning-steps: applies to --teachers fine-tuned")
         accounting.check_steps(args.tuning_steps, "argument --tuning-steps")
-    if args.documents is not None and args.num_teachers is None:
+    _check_individual_arguments(args)
+    if args.documents is not None and args.num_teachers is None and not individual:
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "
             "the data's size (at most the number of documents or users)"
@@ -730,6 +754,34 @@ def _generate(args: argparse.Namespace) -> int:
     _check_out_dir(args.out)
     with output_lock(args.out):
         return _run_generate(args)
+
+
+def _check_individual_arguments(args: argparse.Namespace) -> None:
+    """Refuses, in one line, --charges-per-teacher without --accounting individual, a bad M,
+    and the settings individual accounting does not apply to."""
+    from dpmix_jax.privacy import accounting
+
+    if args.accounting != "individual":
+        if args.charges_per_teacher is not None:
+            raise ValueError("argument --charges-per-teacher: applies to --accounting individual")
+        return
+    if args.charges_per_teacher is not None:
+        accounting.check_steps(args.charges_per_teacher, "argument --charges-per-teacher")
+        steps = args.num_samples * args.max_new_tokens
+        if args.charges_per_teacher > steps:
+            raise ValueError(
+                f"argument --charges-per-teacher must be at most --num-samples × "
+                f"--max-new-tokens = {steps}, got {args.charges_per_teacher}"
+            )
+    for name, value, default in (
+        ("method", args.method, "coordinated"),
+        ("aggregator", args.aggregator, "confident_gnmax"),
+        ("teachers", args.teachers, "in-context"),
+    ):
+        if value != default:
+            raise ValueError(
+                f"argument --accounting individual: does not apply to --{name} {value}"
+            )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -769,6 +821,9 @@ def _run_generate(args: argparse.Namespace) -> int:
             bar.reset(total=bar.total)
         bar.update(1)
 
+    num_teachers = args.num_teachers
+    if num_teachers is None and args.accounting == "standard":
+        num_teachers = _TEXT_DEFAULT_TEACHERS
     with bar:
         result = synthesize.synthesize(
             documents,
@@ -780,11 +835,13 @@ def _run_generate(args: argparse.Namespace) -> int:
             prompt=args.prompt,
             key=key,
             aggregator=args.aggregator,
-            num_teachers=_TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers,
+            num_teachers=num_teachers,
             max_new_tokens=args.max_new_tokens,
             on_step=on_step,
             teachers=args.teachers.replace("-", "_"),
             tuning=tuning,
+            accounting=args.accounting,
+            charges_per_teacher=args.charges_per_teacher,
         )
         bar.total = bar.n  # samples that ended early leave steps unrun
         bar.refresh()
@@ -806,6 +863,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         "num_teachers": args.num_teachers,
         "teachers": args.teachers,
         "tuning_steps": args.tuning_steps,
+        "accounting": args.accounting,
+        "charges_per_teacher": args.charges_per_teacher,
         "seed": args.seed,
     }
     report = {"settings": settings, **result.report(), "seconds": time.time() - start}

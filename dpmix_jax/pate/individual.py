@@ -387,17 +387,33 @@ class IndividualLedger:
         config: the run's settings; the guarantee is `config`'s, from M.
         charges: `(n,)` charges so far (sensitive: for analysis, never released).
         steps: steps recorded.
+        max_charges: M when the run passes `budget` = M to `individual_step` (at most
+            `config.budget`); None (default): `config.budget`.
     """
 
     config: IndividualConfig
     charges: np.ndarray
     steps: int = 0
+    max_charges: int | None = None
+
+    def __post_init__(self):
+        if self.max_charges is not None:
+            self.max_charges = privacy.check_steps(self.max_charges, "max_charges")
+            if self.max_charges > self.config.budget:
+                raise ValueError(
+                    f"max_charges = {self.max_charges} exceeds the budget"
+                    f" M = {self.config.budget} of sigma = {self.config.sigma!r} at"
+                    f" (epsilon, delta) = ({self.config.epsilon!r}, {self.config.delta!r})."
+                )
 
     @classmethod
-    def start(cls, config: IndividualConfig, num_teachers: int) -> IndividualLedger:
-        """A ledger of `num_teachers` teachers, none charged."""
+    def start(
+        cls, config: IndividualConfig, num_teachers: int, max_charges: int | None = None
+    ) -> IndividualLedger:
+        """A ledger of `num_teachers` teachers, none charged (M = `max_charges`, default
+        `config.budget`)."""
         num_teachers = privacy.check_steps(num_teachers, "num_teachers")
-        return cls(config, np.zeros(num_teachers, np.int64))
+        return cls(config, np.zeros(num_teachers, np.int64), max_charges=max_charges)
 
     def record(self, charges, steps: int = 1) -> None:
         """Records the charges after `steps` more steps.
@@ -423,7 +439,7 @@ class IndividualLedger:
     @property
     def budget(self) -> int:
         """M."""
-        return self.config.budget
+        return self.config.budget if self.max_charges is None else self.max_charges
 
     @property
     def max_charge(self) -> int:
@@ -438,7 +454,9 @@ class IndividualLedger:
     @property
     def epsilon(self) -> float:
         """The guaranteed ε at `config.delta` for every teacher (from M, not the charges)."""
-        return self.config.guaranteed_epsilon
+        if self.max_charges is None:
+            return self.config.guaranteed_epsilon
+        return rdp_epsilon(self.config.sigma, self.max_charges, self.config.delta)
 
     def guarantee(self) -> tuple[float, float]:
         """(ε, δ) of every teacher."""

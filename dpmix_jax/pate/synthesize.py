@@ -10,6 +10,11 @@ The privacy unit is a document, or a user when the records carry a `user` field:
 teachers by a keyed hash of their id (`privacy.assign_parts`), so one unit's documents sit in one
 teacher's prompt and adding or removing a unit changes one teacher's vote per step.
 
+With `accounting="individual"` every unit is its own in-context teacher and each is accounted
+for on its own by a Rényi filter (`pate.individual`): a teacher whose vote agrees with the
+public model's is not charged, and none is charged more than `charges_per_teacher` (M) times;
+the ε reported is the per-unit guarantee of M Gaussian releases, fixed before the run.
+
 `load_documents(folder)` reads `.txt` (one document per file), `.jsonl` (a `text` field, optional
 `user`) and `.parquet` files (the same columns; needs pyarrow).
 
@@ -33,15 +38,24 @@ from typing import Any
 
 import dp_accounting
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from dpmix_jax.pate import accounting, finetuned, generation, public, smooth_sensitivity
+from dpmix_jax.pate import accounting as pate_accounting
+from dpmix_jax.pate import (
+    finetuned,
+    generation,
+    individual,
+    public,
+    smooth_sensitivity,
+)
 from dpmix_jax.pate.finetuned import TeacherTuning
-from dpmix_jax.privacy import SEEDED_NOTE
+from dpmix_jax.privacy import SEEDED_NOTE, randomness
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy.parts import assign_parts
 
 __all__ = [
+    "ACCOUNTINGS",
     "AGGREGATORS",
     "DOCUMENT_SUFFIXES",
     "METHODS",
@@ -51,6 +65,7 @@ __all__ = [
     "SynthesisResult",
     "build_ensemble",
     "calibrated_config",
+    "default_charges_per_teacher",
     "load_documents",
     "synthesize",
     "teacher_parts",
@@ -62,6 +77,13 @@ PEER_METHODS = ("invisibleink", "amin", "pmixed")
 METHODS = ("coordinated", "independent", *PEER_METHODS)
 DOCUMENT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TEACHER_KINDS = ("in_context", "fine_tuned")
+ACCOUNTINGS = ("standard", "individual")
+# Individual accounting: η of the threshold T = σ·sqrt(2·ln(V/η)) (`individual.threshold_for`):
+# at a step, some token no teacher voted for passes T with probability at most η/2.
+INDIVIDUAL_ETA = 0.01
+# Individual accounting: the default M is the longest run's steps divided by this factor
+# (`default_charges_per_teacher`).
+INDIVIDUAL_STEPS_PER_CHARGE = 4
 # Default thresholds as fractions of the n teachers (the Hot PATE experiment's).
 _THRESHOLDS = {"confident_gnmax": 0.5, "dpargmax_laplace": 0.6, "dpws": 0.0}
 _GNMAX_SIGMA_RATIO = 2.0  # σ1 = 2·σ2: the threshold check is noisier than the argmax
@@ -303,7 +325,7 @@ def calibrated_config(
         sigma2 = privacy.calibrate(
             _noise_free_or(
                 lambda s: _repeated(
-                    accounting.confident_gnmax_event(_GNMAX_SIGMA_RATIO * s, s), num_calls
+                    pate_accounting.confident_gnmax_event(_GNMAX_SIGMA_RATIO * s, s), num_calls
                 )
             ),
             target_epsilon=epsilon,
@@ -319,15 +341,17 @@ def calibrated_config(
         )
     report_delta = delta / 2 if aggregator == "dpws" else delta
     scale = privacy.calibrate(
-        _noise_free_or(lambda s: _repeated(accounting.dpargmax_laplace_event(1.0 / s), num_calls)),
+        _noise_free_or(
+            lambda s: _repeated(pate_accounting.dpargmax_laplace_event(1.0 / s), num_calls)
+        ),
         target_epsilon=epsilon,
         delta=report_delta,
     )
     per_call = 1.0 / scale
     # 1/(1/scale) may round below scale; step down until the charged event is within target.
     while (
-        accounting.epsilon_of_steps(
-            accounting.dpargmax_laplace_event(per_call), steps=num_calls, delta=report_delta
+        pate_accounting.epsilon_of_steps(
+            pate_accounting.dpargmax_laplace_event(per_call), steps=num_calls, delta=report_delta
         )
         > epsilon
     ):
@@ -441,8 +465,61 @@ def build_ensemble(
         teacher's logits, not even by rounding. The teachers are sensitive: read them only
         through a DP mechanism.
     """
-    from dpmix_jax.pate.teachers import InContextTeachers
+    prepared = _prepare_documents(
+        documents,
+        model,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        separator=separator,
+        teachers=teachers,
+        tuning=tuning,
+    )
+    n = num_teachers
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= prepared.num_units:
+        raise ValueError(
+            f"num_teachers must be an integer from 2 to the {prepared.num_units} "
+            f"{prepared.unit}, got {n!r}"
+        )
+    partition_key = None if key is None else np.asarray(jax.random.key_data(key)).tobytes()
+    parts = teacher_parts(documents, n, key=partition_key)
+    return _assemble_ensemble(
+        prepared,
+        model,
+        parts,
+        batch_size=batch_size,
+        stop_at_newline=stop_at_newline,
+        on_step=on_step,
+        teachers=teachers,
+        tuning=tuning,
+    )
 
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """Checked documents and the public prompt layout (`_prepare_documents`)."""
+
+    ids: list
+    unit: str
+    num_units: int
+    encoded: list[list[int]]
+    prompt_ids: list[int]
+    separator: list[int]
+    budget: int
+
+
+def _prepare_documents(
+    documents: Sequence[Mapping[str, Any]],
+    model: public.PublicTextModel,
+    *,
+    prompt: str,
+    max_new_tokens: int,
+    separator: str,
+    teachers: str,
+    tuning: TeacherTuning | None,
+) -> _Prepared:
+    """Checks the arguments and documents shared by every ensemble and tokenizes them: the
+    public width (`budget`) a teacher's documents must fit next to the prompt and
+    `max_new_tokens`, and every document within it (one line naming the first that is not)."""
     privacy.check_steps(max_new_tokens, "max_new_tokens")
     if teachers not in TEACHER_KINDS:
         raise ValueError(f"teachers must be one of {', '.join(TEACHER_KINDS)}, got {teachers!r}")
@@ -457,36 +534,50 @@ def build_ensemble(
             f"the documents hold only one unit (one {unit[:-1]}); PATE needs at least 2 {unit} "
             "to form teachers"
         )
-    n = num_teachers
-    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= num_units:
-        raise ValueError(
-            f"num_teachers must be an integer from 2 to the {num_units} {unit}, got {n!r}"
-        )
     if not isinstance(separator, str) or not separator:
         raise ValueError(f"separator must be a non-empty string, got {separator!r}")
     tokenizer = model.tokenizer
     prompt_ids = tokenizer.encode(prompt) if prompt else []
-    separator = tokenizer.encode(separator)
+    separator_ids = tokenizer.encode(separator)
     # Every sample decodes from the public prompt (`generation.generate(teachers, prompt_ids,
     # ...)`) after a teacher's documents, so a teacher call reads at most
     # budget + len(prompt_ids) + max_new_tokens - 1 tokens: one less than the context.
     budget = model.context_length - max_new_tokens - len(prompt_ids)
-    if budget < 1 + len(separator):
+    if budget < 1 + len(separator_ids):
         raise ValueError(
             f"the prompt ({len(prompt_ids)} tokens) and max_new_tokens = {max_new_tokens} leave no "
             f"room for documents in the model's context of {model.context_length} tokens"
         )
     encoded = tokenizer.encode_batch(texts)
     for index, ids_of_doc in enumerate(encoded):
-        if len(ids_of_doc) + len(separator) > budget:
+        if len(ids_of_doc) + len(separator_ids) > budget:
             raise ValueError(
                 f"{_where(documents[index], index)} has {len(ids_of_doc)} tokens; the model's "
                 f"context of {model.context_length} tokens holds documents of at most "
-                f"{budget - len(separator)} next to the prompt and max_new_tokens = "
+                f"{budget - len(separator_ids)} next to the prompt and max_new_tokens = "
                 f"{max_new_tokens}; split it into shorter documents"
             )
-    partition_key = None if key is None else np.asarray(jax.random.key_data(key)).tobytes()
-    parts = teacher_parts(documents, n, key=partition_key)
+    return _Prepared(ids, unit, num_units, encoded, prompt_ids, separator_ids, budget)
+
+
+def _assemble_ensemble(
+    prepared: _Prepared,
+    model: public.PublicTextModel,
+    parts: Sequence[np.ndarray],
+    *,
+    batch_size: int,
+    stop_at_newline: bool,
+    on_step: Callable[[], None] | None,
+    teachers: str,
+    tuning: TeacherTuning | None,
+) -> Ensemble:
+    """The `Ensemble` whose teacher i reads the documents at positions `parts[i]` (ascending):
+    in its prompt, as many as fit the public width, or through its own fine-tuned adapter."""
+    from dpmix_jax.pate.teachers import InContextTeachers
+
+    tokenizer = model.tokenizer
+    encoded, separator, budget = prepared.encoded, prepared.separator, prepared.budget
+    n = len(parts)
     if teachers == "fine_tuned":
         tuned = finetuned.finetune_teachers(
             model.model,
@@ -520,10 +611,10 @@ def build_ensemble(
     return Ensemble(
         teachers=teachers_counted,
         public_model=public.make_public_model(model.model, [tokenizer.eos_id]),
-        prompt_ids=prompt_ids,
+        prompt_ids=prepared.prompt_ids,
         stop_sequences=stops,
-        num_units=num_units,
-        unit=unit,
+        num_units=prepared.num_units,
+        unit=prepared.unit,
         documents_in_prompts=used,
         kind=teachers,
     )
@@ -537,7 +628,8 @@ class SynthesisResult:
         texts: per sample, the prompt followed by the generated text.
         marked_texts: the same with the public fallback's tokens in [ ].
         stop_reasons: per sample, `GenerationResult.stop_reason`.
-        epsilon: the accountant's data-independent ε of every aggregator call that ran.
+        epsilon: the accountant's data-independent ε of every aggregator call that ran (with
+            individual accounting: the per-unit guarantee from M, whatever the run charged).
         delta: its δ (the report δ plus DPWS's per-call δ of the calls that ran).
         target_epsilon, target_delta: the budget the noise was calibrated to.
         planned_epsilon: the data-independent ε had every sample run all its steps (<= target).
@@ -546,7 +638,9 @@ class SynthesisResult:
             included) at the common order λ, composed: Σ (released ε_i − ln(1/δ)/(λ−1)) +
             ln(1/δ)/(λ−1). None for the other aggregators.
         released_epsilons: the per-sample releases (None for the other aggregators).
-        aggregator, method: the aggregator and the sampler ("coordinated" or "independent").
+        aggregator, method: the aggregator and the sampler ("coordinated" or "independent"),
+            or a peer method's name twice, or "individual_gaussian" and "individual" with
+            individual accounting (`mechanism` then holds σ, T, η and M).
         num_teachers, num_units, unit: n, the sensitive units behind them, and their kind
             ("documents" or "users").
         documents_in_prompts: documents the teachers read (in their prompts, or fine-tuned on).
@@ -603,7 +697,7 @@ def synthesize(
     epsilon: float,
     delta: float,
     num_samples: int,
-    num_teachers: int,
+    num_teachers: int | None = None,
     method: str = "coordinated",
     prompt: str = "",
     key: jax.Array | None = None,
@@ -619,6 +713,8 @@ def synthesize(
     on_step: Callable[[], None] | None = None,
     teachers: str = "in_context",
     tuning: TeacherTuning | None = None,
+    accounting: str = "standard",
+    charges_per_teacher: int | None = None,
 ) -> SynthesisResult:
     """Generates `num_samples` texts privately from `documents` with Hot PATE.
 
@@ -632,13 +728,15 @@ def synthesize(
         num_samples: texts to generate.
         num_teachers: n, from 2 to the number of units; fix it without looking at the data
             (not from its size): the partition depends on n, so a data-dependent n would let
-            one unit move every other unit's teacher.
+            one unit move every other unit's teacher. Required with the standard accounting;
+            with `accounting="individual"` every unit is its own teacher, and n must be None
+            (default) or the number of units.
         method: Hot PATE's "coordinated" (hot: shared sampling noise) or "independent" (cold)
             histograms, or a peer from `pate.peers` on the same teachers: "invisibleink",
             "amin" or "pmixed", each calibrated by its own analysis so that all `num_samples`
             texts at full length cost at most (ε, δ); `aggregator`, `threshold_fraction`,
             `max_retries` and `public_fallback` are Hot PATE's and do not apply to them.
-        prompt: public text every teacher's context and every sample starts from.
+        prompt: public text every sample starts from, read after each teacher's documents.
         key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
             randomness. A key makes the run reproducible and not private against anyone who
             knows it (`seeded`).
@@ -661,6 +759,19 @@ def synthesize(
             many as fit the context) or "fine_tuned" (each teacher trains its own LoRA adapter
             on all of its documents, `finetuned.finetune_teachers`, and reads only the prompt).
         tuning: the fine-tuned teachers' `finetuned.TeacherTuning` (None: its defaults).
+        accounting: "standard" (default: every aggregator call charged to every teacher, the
+            data-independent composition above) or "individual": per-unit accounting by a
+            Rényi filter (`pate.individual`): one in-context teacher per unit, shared Gumbel
+            votes, a teacher agreeing with the public model's vote abstains and is not
+            charged, Gaussian noise σ on every count, and each teacher charged at most
+            `charges_per_teacher` times (see `_synthesize_individual`). It applies to
+            `method="coordinated"`, the default aggregator, in-context teachers, the public
+            fallback, no retries and no `threshold_fraction`; other settings are refused.
+        charges_per_teacher: M, individual accounting only: the charges each teacher may
+            have, from 1 to num_samples · max_new_tokens (at that bound the filter never
+            binds and every teacher may be charged at every step, the data-independent
+            accounting of the same mechanism). Default (None): `default_charges_per_teacher`,
+            the longest run's steps divided by `INDIVIDUAL_STEPS_PER_CHARGE`, rounded up.
 
     Returns:
         A `SynthesisResult`.
@@ -676,6 +787,10 @@ def synthesize(
         sensitive data. The result's texts and ε values are publishable;
         `documents_in_prompts` depends on the documents' lengths and is for the data owner's
         report only.
+
+        With `accounting="individual"` the guarantee is per unit (one unit per teacher):
+        (ε, δ) = the RDP of M compositions of the Gaussian mechanism with noise σ, fixed in
+        advance; the realised charges are sensitive and are not in the result.
     """
     epsilon = privacy.check_epsilon(epsilon)
     delta = privacy.check_delta(delta)
@@ -683,11 +798,50 @@ def synthesize(
     privacy.check_steps(max_new_tokens, "max_new_tokens")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {accounting!r}")
+    if accounting == "individual":
+        _check_individual_settings(
+            method=method,
+            aggregator=aggregator,
+            threshold_fraction=threshold_fraction,
+            max_retries=max_retries,
+            public_fallback=public_fallback,
+            teachers=teachers,
+        )
+        charges_per_teacher = _check_charges(charges_per_teacher, num_samples, max_new_tokens)
+    elif charges_per_teacher is not None:
+        raise ValueError("charges_per_teacher applies to accounting='individual'")
     seeded = key is not None
     partition_key = None
     if seeded:
         partition_key = jax.random.fold_in(key, 0)
         key = jax.random.fold_in(key, 1)
+    if accounting == "individual":
+        ensemble = _unit_ensemble(
+            documents,
+            model,
+            num_teachers=num_teachers,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            stop_at_newline=stop_at_newline,
+            separator=separator,
+            on_step=on_step,
+        )
+        return _synthesize_individual(
+            ensemble,
+            model,
+            epsilon=epsilon,
+            delta=delta,
+            num_samples=num_samples,
+            charges_per_teacher=charges_per_teacher,
+            prompt=prompt,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_at_newline=stop_at_newline,
+        )
     ensemble = build_ensemble(
         documents,
         model,
@@ -754,11 +908,11 @@ def synthesize(
             release_beta=release.beta,
         )
     event, call_delta = config.charge()
-    planned = accounting.epsilon_of_steps(event, steps=num_calls, delta=config.report_delta)
+    planned = pate_accounting.epsilon_of_steps(event, steps=num_calls, delta=config.report_delta)
 
     teachers = ensemble.teachers
     fallback = ensemble.public_model if public_fallback else None
-    ledger = accounting.PateLedger()
+    ledger = pate_accounting.PateLedger()
     results = []
     for _ in range(num_samples):
         sub = None
@@ -920,5 +1074,301 @@ def _synthesize_with_peer(
         num_queries=len(sources),
         teacher_forward_passes=sum(r.teacher_forward_passes for r in results),
         mechanism={**dataclasses.asdict(config), "max_calls": worst_case},
+        seeded=seeded,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Individual (per-unit) accounting.
+# --------------------------------------------------------------------------------------------
+
+# One compile per run shape: the config is static, the budget M a traced scalar.
+_individual_step = jax.jit(individual.individual_step, static_argnames="config")
+
+
+def default_charges_per_teacher(num_samples: int, max_new_tokens: int) -> int:
+    """The default M of individual accounting: ceil(num_samples · max_new_tokens /
+    `INDIVIDUAL_STEPS_PER_CHARGE`), a teacher charged at most at a quarter of the longest run's
+    steps.
+
+    Privacy:
+        Public: a function of public settings only.
+    """
+    steps = privacy.check_steps(num_samples, "num_samples") * privacy.check_steps(
+        max_new_tokens, "max_new_tokens"
+    )
+    return max(1, -(-steps // INDIVIDUAL_STEPS_PER_CHARGE))
+
+
+def _check_individual_settings(
+    *,
+    method: str,
+    aggregator: str,
+    threshold_fraction: float | None,
+    max_retries: int,
+    public_fallback: bool,
+    teachers: str,
+) -> None:
+    """Refuses, in one line, the settings individual accounting does not apply to."""
+    refused = [
+        (method != "coordinated", f"method={method!r} (it uses coordinated votes)"),
+        (aggregator != "confident_gnmax", f"aggregator={aggregator!r} (it has its own)"),
+        (threshold_fraction is not None, "threshold_fraction (T is set from σ and η)"),
+        (max_retries != 0, "max_retries (a step never fails: it falls back to the public vote)"),
+        (not public_fallback, "public_fallback=False (a token below T is the public vote)"),
+        (teachers != "in_context", f"teachers={teachers!r} (one in-context teacher per unit)"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise ValueError(f"accounting='individual' does not apply to {what}")
+
+
+def _check_charges(charges: int | None, num_samples: int, max_new_tokens: int) -> int:
+    """M, checked: an integer from 1 to the longest run's steps (default
+    `default_charges_per_teacher`)."""
+    steps = num_samples * max_new_tokens
+    if charges is None:
+        return default_charges_per_teacher(num_samples, max_new_tokens)
+    if isinstance(charges, bool) or not isinstance(charges, int | np.integer):
+        raise ValueError(f"charges_per_teacher must be an integer >= 1, got {charges!r}")
+    if not 1 <= charges <= steps:
+        raise ValueError(
+            f"charges_per_teacher must be from 1 to the {steps} steps of the longest run "
+            f"(num_samples · max_new_tokens; more only adds noise), got {charges!r}"
+        )
+    return int(charges)
+
+
+def _unit_ensemble(
+    documents: Sequence[Mapping[str, Any]],
+    model: public.PublicTextModel,
+    *,
+    num_teachers: int | None,
+    prompt: str,
+    max_new_tokens: int,
+    batch_size: int,
+    stop_at_newline: bool,
+    separator: str,
+    on_step: Callable[[], None] | None,
+) -> Ensemble:
+    """An in-context ensemble of one teacher per unit (`build_ensemble`'s prompts and width):
+    teacher i reads unit i's documents (in their order, as many as fit the public width);
+    units in the order of their first document.
+
+    Privacy:
+        Adding or removing a unit adds or removes its teacher and changes no other teacher
+        (each row's logits are its own prompt's, `InContextTeachers`). n is the number of
+        units, a function of the data: not a public setting (the report's `num_teachers` and
+        `num_units` carry it, as `num_units` does in the standard accounting).
+    """
+    prepared = _prepare_documents(
+        documents,
+        model,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        separator=separator,
+        teachers="in_context",
+        tuning=None,
+    )
+    if num_teachers is not None and (
+        isinstance(num_teachers, bool)
+        or not isinstance(num_teachers, int | np.integer)
+        or num_teachers != prepared.num_units
+    ):
+        raise ValueError(
+            f"num_teachers must be None or the {prepared.num_units} {prepared.unit} with "
+            f"accounting='individual' (one teacher per unit), got {num_teachers!r}"
+        )
+    positions: dict[Any, list[int]] = {}
+    for position, unit_id in enumerate(prepared.ids):
+        positions.setdefault(unit_id, []).append(position)
+    parts = [np.asarray(p, np.int64) for p in positions.values()]
+    return _assemble_ensemble(
+        prepared,
+        model,
+        parts,
+        batch_size=batch_size,
+        stop_at_newline=stop_at_newline,
+        on_step=on_step,
+        teachers="in_context",
+        tuning=None,
+    )
+
+
+def _individual_config(
+    *, epsilon: float, delta: float, charges_per_teacher: int, vocab_size: int, temperature: float
+) -> individual.IndividualConfig:
+    """σ = `sigma_for_steps(M, ε, δ)` (the smallest σ, to 0.1%, whose M Gaussian compositions
+    are within (ε, δ) by RDP), T = `threshold_for(σ, V, INDIVIDUAL_ETA)`.
+
+    Privacy:
+        Public: a function of public settings only.
+    """
+    sigma = individual.sigma_for_steps(charges_per_teacher, epsilon, delta)
+    return individual.IndividualConfig(
+        sigma=sigma,
+        threshold=individual.threshold_for(sigma, vocab_size, INDIVIDUAL_ETA),
+        epsilon=epsilon,
+        delta=delta,
+        temperature=temperature,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+    tokens: list[int]
+    sources: list[str]
+    stop_reason: str
+
+
+def _decode_individual(
+    ensemble: Ensemble,
+    config: individual.IndividualConfig,
+    ledger: individual.IndividualLedger,
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    eos_id: int | None,
+    key: jax.Array,
+) -> list[_Decoded]:
+    """Decodes `num_samples` texts with `individual.individual_step`, one step at a time.
+
+    Each step splits `key` (`key, step_key = jax.random.split(key)`), queries the teachers and
+    the public model on the prompt and the sample so far, and takes the step's token ("public"
+    when no noisy count passed T). The charges start at the ledger's and are carried across
+    steps and samples, never reset; every step is recorded in `ledger`, whose `budget` is the
+    M passed to the step. A sample ends at EOS, a stop sequence or `max_new_tokens`
+    (`generation.generate`'s rules).
+
+    Privacy:
+        Reads the teachers only through `individual_step`; the ledger's charges are sensitive.
+    """
+    teachers = ensemble.teachers
+    charges = jnp.asarray(ledger.charges, jnp.int32)
+    budget = ledger.budget
+    decoded = []
+    for _ in range(num_samples):
+        tokens: list[int] = []
+        sources: list[str] = []
+        stop_reason = "max_new_tokens"
+        while len(tokens) < max_new_tokens:
+            prefix = [*ensemble.prompt_ids, *tokens]
+            key, step_key = jax.random.split(key)
+            teacher_logits = jnp.asarray(teachers(prefix), jnp.float32)
+            public_logits = jnp.asarray(ensemble.public_model(prefix), jnp.float32)
+            token, charges, info = _individual_step(
+                step_key, teacher_logits, public_logits, charges, config, budget
+            )
+            ledger.record(np.asarray(charges))
+            token = int(token)
+            tokens.append(token)
+            sources.append("public" if bool(info.from_public) else "private")
+            if eos_id is not None and token == eos_id:
+                stop_reason = "eos"
+                break
+            if any(tuple(tokens[-len(s) :]) == tuple(s) for s in ensemble.stop_sequences):
+                stop_reason = "stop_sequence"
+                break
+        decoded.append(_Decoded(tokens, sources, stop_reason))
+    return decoded
+
+
+def _synthesize_individual(
+    ensemble: Ensemble,
+    model: public.PublicTextModel,
+    *,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    charges_per_teacher: int,
+    prompt: str,
+    key: jax.Array | None,
+    max_new_tokens: int,
+    temperature: float,
+    stop_at_newline: bool,
+) -> SynthesisResult:
+    """`synthesize` with individual (per-unit) accounting on a one-teacher-per-unit ensemble.
+
+    σ is the smallest whose M = `charges_per_teacher` Gaussian compositions are within
+    (ε, δ) by dp-accounting's RDP (`individual.sigma_for_steps`), T =
+    `individual.threshold_for(σ, V, INDIVIDUAL_ETA)`; every step is `individual.individual_step`
+    with the budget M, the charges carried across all steps and samples. The result's ε is
+    `individual.rdp_epsilon(σ, M, δ)` <= ε whatever the run did (`epsilon` =
+    `planned_epsilon`); tokens from the public vote are marked like the public fallback's.
+
+    Privacy:
+        Per unit (each unit is one teacher): (ε, δ)-DP under adding or removing one unit, by
+        the Rényi filter (`pate.individual`'s module docstring); δ < 1/units is required, as
+        for n teachers. With M = num_samples · max_new_tokens the filter never binds and the
+        guarantee is that of charging every teacher at every step. The realised charges are
+        sensitive: the result holds none of them (nor their max or mean); the counts of
+        private and public tokens are those of the released marked texts.
+    """
+    low, high = privacy.CALIBRATION_EPSILON_RANGE
+    if not low <= epsilon <= high:
+        raise ValueError(f"epsilon must be in [{low:g}, {high:g}], got {epsilon!r}")
+    n = ensemble.teachers.num_teachers
+    privacy.check_delta_for_units(delta, n, unit=f"teachers (one per {ensemble.unit[:-1]})")
+    tokenizer = model.tokenizer
+    vocab = int(model.model.config.vocab_size)
+    config = _individual_config(
+        epsilon=epsilon,
+        delta=delta,
+        charges_per_teacher=charges_per_teacher,
+        vocab_size=vocab,
+        temperature=temperature,
+    )
+    ledger = individual.IndividualLedger.start(config, n, max_charges=charges_per_teacher)
+    seeded = key is not None
+    key = key if seeded else randomness.prng_key(randomness.secret_seed())
+    decoded = _decode_individual(
+        ensemble,
+        config,
+        ledger,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        eos_id=tokenizer.eos_id,
+        key=key,
+    )
+    guarantee = ledger.epsilon  # from M alone: rdp_epsilon(σ, M, δ)
+    sources = [s for d in decoded for s in d.sources]
+    mechanism = {
+        "accounting": "individual",
+        "sigma": config.sigma,
+        "threshold": config.threshold,
+        "eta": INDIVIDUAL_ETA,
+        "charges_per_teacher": charges_per_teacher,
+        "max_calls": num_samples * max_new_tokens,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "stop_at_newline": stop_at_newline,
+        "public_fallback": True,
+    }
+    return SynthesisResult(
+        texts=tuple(prompt + tokenizer.decode(d.tokens) for d in decoded),
+        marked_texts=tuple(
+            prompt + public.marked_text(tokenizer, d.tokens, d.sources) for d in decoded
+        ),
+        stop_reasons=tuple(d.stop_reason for d in decoded),
+        epsilon=guarantee,
+        delta=delta,
+        target_epsilon=epsilon,
+        target_delta=delta,
+        planned_epsilon=guarantee,
+        data_dependent_epsilon=None,
+        released_epsilons=None,
+        aggregator="individual_gaussian",
+        method="individual",
+        num_teachers=n,
+        num_units=ensemble.num_units,
+        unit=ensemble.unit,
+        documents_in_prompts=ensemble.documents_in_prompts,
+        teachers=ensemble.kind,
+        tokens_generated=len(sources),
+        steps_with_output=sources.count("private"),
+        steps_without_output=sources.count("public"),
+        num_queries=len(sources),
+        teacher_forward_passes=ensemble.teachers.calls * n,
+        mechanism=mechanism,
         seeded=seeded,
     )
