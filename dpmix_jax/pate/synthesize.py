@@ -930,7 +930,6 @@ def synthesize(
         released = tuple(float(r.released.epsilon) for r in results)
         conversion = math.log(1 / config.report_delta) / (config.release_order - 1)
         data_dependent = sum(released) - (len(released) - 1) * conversion
-    sources = [s for r in results for s in r.sources]
     failed_steps = sum(r.sources.count("public") + (r.stop_reason == "fail") for r in results)
     mechanism = {
         "threshold": config.threshold,
@@ -952,11 +951,7 @@ def synthesize(
         "public_fallback": public_fallback,
     }
     return SynthesisResult(
-        texts=tuple(prompt + tokenizer.decode(r.tokens) for r in results),
-        marked_texts=tuple(
-            prompt + public.marked_text(tokenizer, r.tokens, r.sources) for r in results
-        ),
-        stop_reasons=tuple(r.stop_reason for r in results),
+        **_sample_fields(ensemble, tokenizer, prompt, results),
         epsilon=last.epsilon,
         delta=last.delta,
         target_epsilon=epsilon,
@@ -967,18 +962,33 @@ def synthesize(
         aggregator=aggregator,
         method=method,
         num_teachers=n,
-        num_units=ensemble.num_units,
-        unit=ensemble.unit,
-        documents_in_prompts=ensemble.documents_in_prompts,
-        teachers=ensemble.kind,
-        tokens_generated=len(sources),
-        steps_with_output=sources.count("private"),
         steps_without_output=failed_steps,
         num_queries=sum(r.num_queries for r in results),
         teacher_forward_passes=teachers.calls * n,
         mechanism=mechanism,
         seeded=seeded,
     )
+
+
+def _sample_fields(
+    ensemble: Ensemble, tokenizer: Any, prompt: str, samples: Sequence[Any]
+) -> dict[str, Any]:
+    """The `SynthesisResult` fields every method fills the same way from its samples (each with
+    `tokens`, `sources` and `stop_reason`) and the ensemble."""
+    sources = [source for sample in samples for source in sample.sources]
+    return {
+        "texts": tuple(prompt + tokenizer.decode(x.tokens) for x in samples),
+        "marked_texts": tuple(
+            prompt + public.marked_text(tokenizer, x.tokens, x.sources) for x in samples
+        ),
+        "stop_reasons": tuple(x.stop_reason for x in samples),
+        "num_units": ensemble.num_units,
+        "unit": ensemble.unit,
+        "documents_in_prompts": ensemble.documents_in_prompts,
+        "teachers": ensemble.kind,
+        "tokens_generated": len(sources),
+        "steps_with_output": sources.count("private"),
+    }
 
 
 def _synthesize_with_peer(
@@ -1049,11 +1059,8 @@ def _synthesize_with_peer(
     spent = peer.epsilon(config, delta=delta, **charges)
     sources = [s for r in results for s in r.sources]
     return SynthesisResult(
-        texts=tuple(prompt + tokenizer.decode(r.tokens) for r in results),
-        marked_texts=tuple(
-            prompt + public.marked_text(tokenizer, r.tokens, r.sources) for r in results
-        ),
-        stop_reasons=tuple(r.stop_reason for r in results),
+        **_sample_fields(ensemble, tokenizer, prompt, results),
+        steps_without_output=sources.count("public"),
         epsilon=spent,
         delta=delta,
         target_epsilon=epsilon,
@@ -1064,13 +1071,6 @@ def _synthesize_with_peer(
         aggregator=method,
         method=method,
         num_teachers=num_teachers,
-        num_units=ensemble.num_units,
-        unit=ensemble.unit,
-        documents_in_prompts=ensemble.documents_in_prompts,
-        teachers=ensemble.kind,
-        tokens_generated=len(sources),
-        steps_with_output=sources.count("private"),
-        steps_without_output=sources.count("public"),
         num_queries=len(sources),
         teacher_forward_passes=sum(r.teacher_forward_passes for r in results),
         mechanism={**dataclasses.asdict(config), "max_calls": worst_case},
@@ -1345,11 +1345,8 @@ def _synthesize_individual(
         "public_fallback": True,
     }
     return SynthesisResult(
-        texts=tuple(prompt + tokenizer.decode(d.tokens) for d in decoded),
-        marked_texts=tuple(
-            prompt + public.marked_text(tokenizer, d.tokens, d.sources) for d in decoded
-        ),
-        stop_reasons=tuple(d.stop_reason for d in decoded),
+        **_sample_fields(ensemble, tokenizer, prompt, decoded),
+        steps_without_output=sources.count("public"),
         epsilon=guarantee,
         delta=delta,
         target_epsilon=epsilon,
@@ -1360,13 +1357,6 @@ def _synthesize_individual(
         aggregator="individual_gaussian",
         method="individual",
         num_teachers=n,
-        num_units=ensemble.num_units,
-        unit=ensemble.unit,
-        documents_in_prompts=ensemble.documents_in_prompts,
-        teachers=ensemble.kind,
-        tokens_generated=len(sources),
-        steps_with_output=sources.count("private"),
-        steps_without_output=sources.count("public"),
         num_queries=len(sources),
         teacher_forward_passes=ensemble.teachers.calls * n,
         mechanism=mechanism,
