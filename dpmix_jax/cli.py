@@ -572,19 +572,17 @@ def _report(args: argparse.Namespace) -> int:
         copied = report.add_results(name, pathlib.Path(run_dir), args.results)
         print(f"copied {', '.join(str(p) for p in copied)}")
     documents = args.readme or report.documents(pathlib.Path("."))
-    if args.check:
-        problems = [
-            line for path in documents for line in report.check_markdown(path, args.results)
-        ]
-    else:
-        for path in documents:
+    problems, counts = [], Counter()
+    for path in documents:
+        if args.check:
+            problems += report.stale_tables(path, args.results)
+        else:
             updated = report.update_markdown(path, args.results)
             if updated:
                 print(f"rebuilt {len(updated)} table(s) in {path}: {', '.join(updated)}")
-        problems = [
-            line for path in documents for line in numbers.check_file(path, args.results)[0]
-        ]
-    counts = sum((numbers.check_file(path, args.results)[1] for path in documents), Counter())
+        prose_problems, prose_counts = numbers.check_file(path, args.results)
+        problems += prose_problems
+        counts += prose_counts
     print(
         f"numbers in the prose: {counts['derived']} derived from stored runs or formulas, "
         f"{counts['paper']} are the papers', {counts['setting']} settings, {counts['unstored']} "
@@ -757,31 +755,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _check_individual_arguments(args: argparse.Namespace) -> None:
-    """Refuses, in one line, --charges-per-teacher without --accounting individual, a bad M,
-    and the settings individual accounting does not apply to."""
-    from dpmix_jax.privacy import accounting
+    """`synthesize.check_individual_accounting` on the command line's settings, before any
+    model is loaded: one line naming --accounting and what it refuses."""
+    from dpmix_jax.pate import synthesize
 
-    if args.accounting != "individual":
-        if args.charges_per_teacher is not None:
-            raise ValueError("argument --charges-per-teacher: applies to --accounting individual")
-        return
-    if args.charges_per_teacher is not None:
-        accounting.check_steps(args.charges_per_teacher, "argument --charges-per-teacher")
-        steps = args.num_samples * args.max_new_tokens
-        if args.charges_per_teacher > steps:
-            raise ValueError(
-                f"argument --charges-per-teacher must be at most --num-samples × "
-                f"--max-new-tokens = {steps}, got {args.charges_per_teacher}"
-            )
-    for name, value, default in (
-        ("method", args.method, "coordinated"),
-        ("aggregator", args.aggregator, "confident_gnmax"),
-        ("teachers", args.teachers, "in-context"),
-    ):
-        if value != default:
-            raise ValueError(
-                f"argument --accounting individual: does not apply to --{name} {value}"
-            )
+    try:
+        synthesize.check_individual_accounting(
+            accounting=args.accounting,
+            charges_per_teacher=args.charges_per_teacher,
+            num_samples=args.num_samples,
+            max_new_tokens=args.max_new_tokens,
+            method=args.method,
+            aggregator=args.aggregator,
+            teachers=args.teachers.replace("-", "_"),
+        )
+    except ValueError as err:
+        raise ValueError(f"argument --accounting {args.accounting}: {err}") from None
 
 
 def _run_generate(args: argparse.Namespace) -> int:

@@ -95,6 +95,7 @@ def test_every_decimal_of_the_paragraph_needs_a_line_and_every_line_its_number(r
         ('cell("Nobody", "ε = 1")', "no cell in row 'Nobody'"),
         ('r["missing"]', "KeyError"),
         ("1 +", "not an expression"),
+        ("9 ** 9 ** 9", "an exponent above 64"),
     ],
 )
 def test_a_bad_expression_is_one_line_and_never_runs_code(results_dir, expression, message):
@@ -106,6 +107,9 @@ def test_a_bad_expression_is_one_line_and_never_runs_code(results_dir, expressio
 def test_a_missing_run_or_a_malformed_line_is_named(results_dir):
     (problem,) = check(page("Reached 67.76.", "67.76 = paper", names="gone"), results_dir)[0]
     assert problem.startswith("page.md:6: no stored run") and "gone.json" in problem
+    (results_dir / "broken.json").write_text('{"seconds": 40')
+    (problem,) = check(page("Reached 67.76.", "67.76 = paper", names="broken"), results_dir)[0]
+    assert "broken.json is not valid JSON" in problem and "\n" not in problem
     problems, _ = check(page("Reached 67.76.", "67.76 is the paper's"), results_dir)
     assert "a line is `NUMBER = EXPRESSION`" in problems[0]
 

@@ -359,5 +359,5 @@ def test_votes_take_the_first_maximum_like_argmax():
     scores = jnp.asarray(
         [[1.0, 3.0, 3.0], [-jnp.inf, -jnp.inf, -jnp.inf], [0.0, jnp.nan, 5.0], [2.0, 2.0, 2.0]]
     )
-    assert individual._first_argmax(scores).tolist() == jnp.argmax(scores, axis=-1).tolist()
-    assert int(individual._first_argmax(scores[0])) == 1
+    assert individual._votes(scores).tolist() == jnp.argmax(scores, axis=-1).tolist()
+    assert int(individual._votes(scores[0])) == 1

@@ -84,6 +84,7 @@ __all__ = [
     "Draw",
     "coordinated_histograms",
     "coordinated_sampler",
+    "first_argmax",
     "independent_histograms",
     "independent_sampler",
 ]
@@ -177,11 +178,11 @@ def _row_votes(scaled: jax.Array, noise: jax.Array) -> tuple[jax.Array, jax.Arra
     """
     chunk_best = _block_reduce(scaled + noise, _ROW_CHUNK)
     best = jnp.max(chunk_best, axis=-1)
-    columns = _first_argmax(chunk_best)[..., None] * _ROW_CHUNK + jnp.arange(_ROW_CHUNK)
+    columns = first_argmax(chunk_best)[..., None] * _ROW_CHUNK + jnp.arange(_ROW_CHUNK)
     in_chunk = jnp.take_along_axis(
         scaled, columns, axis=-1, mode="fill", fill_value=-jnp.inf
     ) + jnp.take(noise, columns, mode="fill", fill_value=-jnp.inf)
-    votes = jnp.take_along_axis(columns, _first_argmax(in_chunk)[..., None], axis=-1)[..., 0]
+    votes = jnp.take_along_axis(columns, first_argmax(in_chunk)[..., None], axis=-1)[..., 0]
     return votes.astype(jnp.int32), best
 
 
@@ -194,8 +195,9 @@ def _row_max(x: jax.Array) -> jax.Array:
     return jnp.max(_chunk_max(x), axis=1)
 
 
-def _first_argmax(scores: jax.Array) -> jax.Array:
-    """`jnp.argmax(scores, -1)` (first maximal index) as two plain reductions (faster on CPU)."""
+def first_argmax(scores: jax.Array) -> jax.Array:
+    """`jnp.argmax(scores, -1)` (first maximal index) as two plain reductions (faster on CPU).
+    Scores must hold no NaN (a row with one has no maximum: its index is the row's length)."""
     best = jnp.max(scores, axis=-1, keepdims=True)
     ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
     return jnp.min(jnp.where(scores == best, ids, scores.shape[-1]), axis=-1)
@@ -502,7 +504,7 @@ def _largest(x, count):
     """`jax.lax.top_k(x, count)` for a small count, by repeated argmax (XLA:CPU sorts instead)."""
     values, indices = [], []
     for _ in range(count):
-        index = _first_argmax(x)
+        index = first_argmax(x)
         values.append(x[index])
         indices.append(index)
         x = x.at[index].set(-jnp.inf)
@@ -676,7 +678,7 @@ def _certify_then_rescan(keys, scaled, column_max, certify, complete, fallback_r
         def pruned_scan(row_votes):
             x = jnp.take(scaled, tokens, axis=1, mode="fill", fill_value=-jnp.inf)
             scores = x + jnp.take(noise, tokens, mode="fill", fill_value=-jnp.inf)
-            return jnp.where(failing[h], tokens[_first_argmax(scores)], row_votes)
+            return jnp.where(failing[h], tokens[first_argmax(scores)], row_votes)
 
         def full_scan(row_votes):
             rows = jnp.nonzero(failing[h], size=n + fallback_rows, fill_value=n)[0]
@@ -779,7 +781,7 @@ def _fixed_point(weights):
     scale = _FIXED_ONE / jnp.where(total > 0, total, 1.0)
     fixed = jnp.round(weights * scale).astype(jnp.int32)
     residual = _FIXED_ONE - jnp.sum(fixed, axis=-1, keepdims=True)
-    largest = _first_argmax(weights)[..., None]
+    largest = first_argmax(weights)[..., None]
     return fixed + jnp.where(jnp.arange(weights.shape[-1]) == largest, residual, 0)
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "SynthesisResult",
     "build_ensemble",
     "calibrated_config",
+    "check_individual_accounting",
     "default_charges_per_teacher",
     "load_documents",
     "synthesize",
@@ -798,20 +799,18 @@ def synthesize(
     privacy.check_steps(max_new_tokens, "max_new_tokens")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if accounting not in ACCOUNTINGS:
-        raise ValueError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {accounting!r}")
-    if accounting == "individual":
-        _check_individual_settings(
-            method=method,
-            aggregator=aggregator,
-            threshold_fraction=threshold_fraction,
-            max_retries=max_retries,
-            public_fallback=public_fallback,
-            teachers=teachers,
-        )
-        charges_per_teacher = _check_charges(charges_per_teacher, num_samples, max_new_tokens)
-    elif charges_per_teacher is not None:
-        raise ValueError("charges_per_teacher applies to accounting='individual'")
+    charges_per_teacher = check_individual_accounting(
+        accounting=accounting,
+        charges_per_teacher=charges_per_teacher,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        aggregator=aggregator,
+        threshold_fraction=threshold_fraction,
+        max_retries=max_retries,
+        public_fallback=public_fallback,
+        teachers=teachers,
+    )
     seeded = key is not None
     partition_key = None
     if seeded:
@@ -1100,16 +1099,34 @@ def default_charges_per_teacher(num_samples: int, max_new_tokens: int) -> int:
     return max(1, -(-steps // INDIVIDUAL_STEPS_PER_CHARGE))
 
 
-def _check_individual_settings(
+def check_individual_accounting(
     *,
-    method: str,
-    aggregator: str,
-    threshold_fraction: float | None,
-    max_retries: int,
-    public_fallback: bool,
-    teachers: str,
-) -> None:
-    """Refuses, in one line, the settings individual accounting does not apply to."""
+    accounting: str,
+    charges_per_teacher: int | None,
+    num_samples: int,
+    max_new_tokens: int,
+    method: str = "coordinated",
+    aggregator: str = "confident_gnmax",
+    threshold_fraction: float | None = None,
+    max_retries: int = 0,
+    public_fallback: bool = True,
+    teachers: str = "in_context",
+) -> int | None:
+    """The M of a run (`charges_per_teacher`, or `default_charges_per_teacher` when None) with
+    `accounting="individual"`, None otherwise; refuses in one line `charges_per_teacher`
+    without individual accounting, an M outside 1 to num_samples · max_new_tokens, and the
+    settings individual accounting does not apply to. `synthesize` and `dpmix generate` (before
+    any model is loaded) call it.
+
+    Privacy:
+        Public: reads public settings only.
+    """
+    if accounting not in ACCOUNTINGS:
+        raise ValueError(f"accounting must be one of {', '.join(ACCOUNTINGS)}, got {accounting!r}")
+    if accounting != "individual":
+        if charges_per_teacher is not None:
+            raise ValueError("charges_per_teacher applies to accounting='individual'")
+        return None
     refused = [
         (method != "coordinated", f"method={method!r} (it uses coordinated votes)"),
         (aggregator != "confident_gnmax", f"aggregator={aggregator!r} (it has its own)"),
@@ -1121,22 +1138,21 @@ def _check_individual_settings(
     for bad, what in refused:
         if bad:
             raise ValueError(f"accounting='individual' does not apply to {what}")
-
-
-def _check_charges(charges: int | None, num_samples: int, max_new_tokens: int) -> int:
-    """M, checked: an integer from 1 to the longest run's steps (default
-    `default_charges_per_teacher`)."""
-    steps = num_samples * max_new_tokens
-    if charges is None:
+    if charges_per_teacher is None:
         return default_charges_per_teacher(num_samples, max_new_tokens)
-    if isinstance(charges, bool) or not isinstance(charges, int | np.integer):
-        raise ValueError(f"charges_per_teacher must be an integer >= 1, got {charges!r}")
-    if not 1 <= charges <= steps:
+    if isinstance(charges_per_teacher, bool) or not isinstance(
+        charges_per_teacher, int | np.integer
+    ):
+        raise ValueError(
+            f"charges_per_teacher must be an integer >= 1, got {charges_per_teacher!r}"
+        )
+    steps = num_samples * max_new_tokens
+    if not 1 <= charges_per_teacher <= steps:
         raise ValueError(
             f"charges_per_teacher must be from 1 to the {steps} steps of the longest run "
-            f"(num_samples · max_new_tokens; more only adds noise), got {charges!r}"
+            f"(num_samples · max_new_tokens; more only adds noise), got {charges_per_teacher!r}"
         )
-    return int(charges)
+    return int(charges_per_teacher)
 
 
 def _unit_ensemble(
@@ -1236,7 +1252,7 @@ def _decode_individual(
     Each step splits `key` (`key, step_key = jax.random.split(key)`), queries the teachers and
     the public model on the prompt and the sample so far, and takes the step's token ("public"
     when no noisy count passed T). The charges start at the ledger's and are carried across
-    steps and samples, never reset; every step is recorded in `ledger`, whose `budget` is the
+    steps and samples, never reset; every sample is recorded in `ledger`, whose `budget` is the
     M passed to the step. A sample ends at EOS, a stop sequence or `max_new_tokens`
     (`generation.generate`'s rules).
 
@@ -1259,7 +1275,6 @@ def _decode_individual(
             token, charges, info = _individual_step(
                 step_key, teacher_logits, public_logits, charges, config, budget
             )
-            ledger.record(np.asarray(charges))
             token = int(token)
             tokens.append(token)
             sources.append("public" if bool(info.from_public) else "private")
@@ -1269,6 +1284,7 @@ def _decode_individual(
             if any(tuple(tokens[-len(s) :]) == tuple(s) for s in ensemble.stop_sequences):
                 stop_reason = "stop_sequence"
                 break
+        ledger.record(np.asarray(charges), steps=len(tokens))
         decoded.append(_Decoded(tokens, sources, stop_reason))
     return decoded
 

@@ -45,6 +45,7 @@ import numpy as np
 BLOCK = re.compile(r"<!-- numbers(?P<names>[\w.\- ]*)\n(?P<body>.*?)-->", re.S)
 DECIMAL = re.compile(r"(?<![\w.,])-?\d[\d,]*\.\d+(?![\w.]*\d)")
 DECLARED = ("paper", "setting", "unstored")
+_MAX_EXPONENT = 64  # a block computes a number, not 9 ** 9 ** 9
 
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -93,7 +94,10 @@ class _Results:
             path = pathlib.Path(results_dir) / f"{name}.json"
             if not path.is_file():
                 raise NumbersError(f"no stored run {path}")
-            self.json[name] = json.loads(path.read_text())
+            try:
+                self.json[name] = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise NumbersError(f"{path} is not valid JSON: {err}") from None
             markdown = path.with_suffix(".md")
             self.tables[name] = _table_cells(markdown.read_text()) if markdown.is_file() else []
 
@@ -148,7 +152,10 @@ def evaluate(expression: str, results: _Results) -> Any:
         if isinstance(node, ast.Name) and node.id in names:
             return names[node.id]
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            return _BINARY[type(node.op)](value(node.left), value(node.right))
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:
+                raise NumbersError(f"an exponent above {_MAX_EXPONENT}: {ast.unparse(node)!r}")
+            return _BINARY[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -value(node.operand)
         if isinstance(node, ast.Subscript):
