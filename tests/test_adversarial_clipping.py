@@ -7,8 +7,9 @@ targeted constructions (positions whose gradients nearly cancel, huge and tiny n
 entries, subnormals) and on a property-based search around them:
 
 - a unit alone adds at most C to the sum;
-- removing any one unit moves the sum by at most C·(1 + 1e-6) (1e-4 with other cancelling units in
-  a ghost Gram-form batch: the float32 rounding of the batch sum, see `GRAM_SLACK`).
+- removing any one unit moves the computed float32 sum by at most C, its rounding included (the
+  sums are accumulated in float64 and each unit is clipped to the C' of
+  `summation.effective_clip_norm`), also with 262,144 aligned units.
 """
 
 import jax
@@ -24,11 +25,6 @@ from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_g
 from dpmix_jax.train import engine
 
 CLIP = 1.0
-SLACK = 1e-6
-# The Gram form adds a unit's rows c·x_t ⊗ v_t one by one into the batch's float32 sum: rows of
-# other cancelling units (c·||x_t||·||v_t|| up to ~1e3·C here) leave rounding of u·1e3·C in it,
-# which changes when any unit is removed (seen: 8e-6·C). A unit alone stays within C exactly.
-GRAM_SLACK = 1e-4
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SEARCH = settings(max_examples=12, deadline=None, derandomize=True)
 
@@ -42,8 +38,8 @@ def _diff64(a, b) -> float:
     return _norm64(jax.tree.map(lambda x, y: np.asarray(x, np.float64) - np.asarray(y), a, b))
 
 
-def assert_sound(fn, params, batch, mask, slack=SLACK):
-    """Every kept unit alone adds <= C; removing it moves the (float32) sum by <= C·(1 + slack)."""
+def assert_sound(fn, params, batch, mask):
+    """Every kept unit alone adds <= C; removing it moves the (float32) sum by <= C."""
     mask = np.asarray(mask, bool)
     total, _ = fn(params, batch, mask)
     for leaf in jax.tree.leaves(total):
@@ -57,7 +53,7 @@ def assert_sound(fn, params, batch, mask, slack=SLACK):
         without_mask[j] = False
         removed = _diff64(total, fn(params, batch, without_mask)[0]) / CLIP
         assert alone <= 1.0, (j, alone)
-        assert removed <= 1.0 + slack, (j, removed)
+        assert removed <= 1.0, (j, removed)
 
 
 def cancelling(rng, units, positions, d_in, d_out, scale=1e3, close=1e-4, residue=0.3, ratio=1.0):
@@ -107,7 +103,7 @@ def test_cancelling_positions_are_clipped_by_a_certified_bound():
     _, stats = _GHOST_DENSE(params, {"x": x, "v": v}, np.ones(64, bool))
     assert np.all(np.asarray(stats["grad_norm"], np.float64) >= _exact_norms(x, v))
     batch = {"x": x[:16], "v": v[:16]}
-    assert_sound(_GHOST_DENSE, params, batch, np.arange(16) != 3, GRAM_SLACK)
+    assert_sound(_GHOST_DENSE, params, batch, np.arange(16) != 3)
 
 
 def test_ordinary_inputs_get_a_bound_within_1e4_of_the_norm():
@@ -134,9 +130,7 @@ def test_search_ghost_dense_gram_form(seed, log_scale, log_close, log_residue, r
         np.random.default_rng(seed), 3, 2, 8, 8, scale=10.0**log_scale, close=10.0**log_close,
         residue=10.0**log_residue * 10.0**log_scale, ratio=ratio,
     )  # fmt: skip
-    assert_sound(
-        _GHOST_DENSE, {"w": jnp.zeros((8, 8))}, {"x": x, "v": v}, np.ones(3, bool), GRAM_SLACK
-    )
+    assert_sound(_GHOST_DENSE, {"w": jnp.zeros((8, 8))}, {"x": x, "v": v}, np.ones(3, bool))
 
 
 def test_ghost_per_example_form_and_special_values():
@@ -163,7 +157,7 @@ def test_cancelling_conv_patches():
     fn = jax.jit(ghost_clipped_grad_sum(conv_taped, clip_norm=CLIP).function)
     x, v = cancelling(np.random.default_rng(0), 16, 2, 8, 8)
     batch = {"x": x.reshape(16, 1, 2, 8), "v": v.reshape(16, 1, 2, 8)}
-    assert_sound(fn, {"k": jnp.zeros((1, 1, 8, 8))}, batch, np.ones(16, bool), GRAM_SLACK)
+    assert_sound(fn, {"k": jnp.zeros((1, 1, 8, 8))}, batch, np.ones(16, bool))
 
 
 def tied_taped(params, batch, tape):
@@ -185,7 +179,7 @@ def test_cancelling_embedding_rows():
     ids = np.tile(
         np.array([[1, 1, 2, 2], [0, 0, 0, 0], [4, 4, 3, 3], [2, 2, 2, 2]], np.int32), (4, 1)
     )
-    assert_sound(fn, {"e": jnp.zeros((5, 8))}, {"ids": ids, "v": v}, np.ones(16, bool), GRAM_SLACK)
+    assert_sound(fn, {"e": jnp.zeros((5, 8))}, {"ids": ids, "v": v}, np.ones(16, bool))
 
 
 def test_tied_embedding_and_head_that_cancel():
@@ -198,7 +192,7 @@ def test_tied_embedding_and_head_that_cancel():
     head[:, :, 1] = 1e3
     v = (-1e3 * q + 0.3 * rng.standard_normal(q.shape)).astype(np.float32)
     batch = {"ids": np.ones((16, 4), np.int32), "q": q, "w": head, "v": v}
-    assert_sound(fn, {"e": jnp.zeros((5, 8))}, batch, np.ones(16, bool), GRAM_SLACK)
+    assert_sound(fn, {"e": jnp.zeros((5, 8))}, batch, np.ones(16, bool))
 
 
 def norm_taped(params, batch, tape):
@@ -221,7 +215,7 @@ def test_cancelling_examples_of_one_user():
     batch = {"x": x[:, :, None, :], "v": v[:, :, None, :]}  # (U, G=2, T=1, d)
     mask = np.ones((16, 2), bool)
     mask[5, 1] = False
-    assert_sound(fn, {"w": jnp.zeros((8, 8))}, batch, mask, GRAM_SLACK)
+    assert_sound(fn, {"w": jnp.zeros((8, 8))}, batch, mask)
     assert_sound(vmap_fn, {"w": jnp.zeros((8, 8))}, batch, mask)
 
 
@@ -258,7 +252,99 @@ def test_removing_one_of_many_units_moves_a_low_precision_sum_by_at_most_c(dtype
         total = fn(params, batch, mask)[0]
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(total))
         removed = _diff64(total, fn(params, batch, mask & (np.arange(1040) != 0))[0])
-        assert removed <= CLIP * (1 + SLACK), (units, removed)
+        assert removed <= CLIP, (units, removed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Many units: the rounding of the whole float32 sum stays inside the sensitivity.
+# ---------------------------------------------------------------------------------------------
+
+MANY = 262_144
+
+
+def _along_one_axis(lengths):
+    """Single-position units whose gradients lie along one axis, with norms `lengths`."""
+    x = np.zeros((len(lengths), 1, 4), np.float32)
+    x[:, 0, 0] = lengths
+    v = np.zeros((len(lengths), 1, 2), np.float32)
+    v[:, 0, 0] = 1.0
+    return {"x": x, "v": v}
+
+
+def _without(rows, j):
+    """`rows` without row j, the later rows moved up and a zero row appended: the batch of the
+    neighbouring data set, in which every unit after j sits one row earlier."""
+    return jax.tree.map(lambda a: np.concatenate([a[:j], a[j + 1 :], np.zeros_like(a[:1])]), rows)
+
+
+def _many_units_batches():
+    """Half the units clipped (norm 10·C), half below C with norms of their own, so the sum's
+    float32 rounding depends on the order of the units."""
+    lengths = np.random.default_rng(8).uniform(0.3, 1.0, MANY).astype(np.float32)
+    lengths[1::2] = 10.0
+    return _along_one_axis(lengths), np.ones(MANY, bool), _without(np.ones(MANY, bool), 0)
+
+
+def _per_user(batch):
+    return jax.tree.map(lambda a: a[:, None], batch)  # (U, G = 1, T = 1, d)
+
+
+_MANY_PATHS = {
+    "vmap": (clipping.clipped_grad_sum(dense_example, clip_norm=CLIP, keep_batch_dim=True), None),
+    **{
+        f"microbatch {size}": (
+            clipping.clipped_grad_sum(
+                dense_example, clip_norm=CLIP, keep_batch_dim=True, microbatch_size=size
+            ),
+            None,
+        )
+        for size in (4096, 8192)
+    },
+    "ghost": (ghost_clipped_grad_sum(dense_taped, clip_norm=CLIP), None),
+    "user vmap": (clipping.user_clipped_grad_sum(dense_example, clip_norm=CLIP), _per_user),
+    "user ghost": (ghost_user_clipped_grad_sum(dense_taped, clip_norm=CLIP), _per_user),
+}
+
+
+@pytest.mark.parametrize("path", list(_MANY_PATHS))
+def test_removing_one_of_262144_units_moves_the_float32_sum_by_at_most_c(path):
+    # Summed in float32, 262,144 such units are off by several units in the last place of a sum
+    # near 1.4e5 (0.0156 each), which differs between the two neighbouring batches.
+    grad_sum, layout = _MANY_PATHS[path]
+    fn = jax.jit(grad_sum.function)
+    batch, mask, mask_without = _many_units_batches()
+    layout = layout or (lambda b: b)
+    user_mask = (lambda m: m[:, None]) if path.startswith("user") else (lambda m: m)
+    params = {"w": jnp.zeros((4, 2))}
+    total = fn(params, layout(batch), user_mask(mask))[0]
+    for j in (1, MANY // 2 + 1, MANY - 1):  # clipped units, at the start, middle and end
+        neighbour = fn(params, layout(_without(batch, j)), user_mask(mask_without))[0]
+        assert _diff64(total, neighbour) <= CLIP, (path, j)
+
+
+def test_trainer_gradient_accumulation_over_262144_units():
+    # Chunks of 8,192 units: each chunk's float32 sum and the total are rounded; the chunks are
+    # accumulated in float64 and clipped for the whole batch (`summation`, roundings=3).
+    batch, _, _ = _many_units_batches()
+    config = engine.TrainConfig(
+        steps=1, batch_size=MANY, learning_rate=0.1, optimizer="sgd", private=True,
+        clip_norm=CLIP, delta=1e-7, noise_multiplier=1.0, pad_multiple=8192, chunk_size=8192,
+        progress=False, log_every=None, clipping="vmap",
+    )  # fmt: skip
+    model = nnx.Linear(4, 2, use_bias=False, rngs=nnx.Rngs(0))
+    loss = lambda m, b: jnp.sum(m(b["x"]) * b["v"], axis=(1, 2))
+    trainer = engine.Trainer(config, model, loss, num_units=2 * MANY, noise_key=jax.random.key(0))
+    params = trainer.init_state().params
+
+    def clipped_sum(rows):
+        indices = np.where(rows["keep"], np.arange(MANY), -1)
+        gather = lambda idx: {k: rows[k][np.maximum(idx, 0)] for k in ("x", "v")}
+        return trainer.clipped_sum(params, gather, indices, rows["keep"])
+
+    rows = {**batch, "keep": np.ones(MANY, bool)}
+    total = clipped_sum(rows)
+    for j in (1, MANY - 1):
+        assert _diff64(total, clipped_sum(_without(rows, j))) <= CLIP, j
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,4 +434,4 @@ def test_partial_fine_tuning_through_the_trainer():
     def grad_sum(params, indices, mask):
         return trainer.clipped_sum(params, gather, indices, mask), None
 
-    assert_sound(grad_sum, trainer.init_state().params, np.arange(8), np.ones(8, bool), GRAM_SLACK)
+    assert_sound(grad_sum, trainer.init_state().params, np.arange(8), np.ones(8, bool))

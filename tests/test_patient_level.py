@@ -33,7 +33,7 @@ from dpmix_jax.pipeline import (
     run_comparison,
 )
 from dpmix_jax.pipeline.common import epsilon_name
-from dpmix_jax.privacy import randomness
+from dpmix_jax.privacy import randomness, summation
 from dpmix_jax.train import TrainConfig
 from experiments.configs.nih import CxrExperimentConfig
 from tests import paper_fixtures as fixtures
@@ -280,7 +280,9 @@ def test_clipped_sums_are_per_patient(task, tmp_path, clipping):
     )
     trainer, data = finetune_trainer(task, config, rows, tmp_path / "clipped")
     assert trainer.clipping == clipping
-    expected, _ = naive_patient_sum(trainer, params, data, indices, mask, clip_norm)
+    # Each patient is clipped to C' (its share of the rounding of the sum over all patients).
+    unit_clip = summation.effective_clip_norm(clip_norm, len(users), 2.0**-24, len(users))
+    expected, _ = naive_patient_sum(trainer, params, data, indices, mask, unit_clip)
     got = trainer.clipped_sum(params, data.gather, indices, mask)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-6)

@@ -10,10 +10,13 @@ Sensitivity contract: adding or removing one unit changes the returned sum by at
 call time (a traced value, as adaptive clipping does): a call with C_t has sensitivity C_t. Every
 unit is clipped by a *certified upper bound* of its gradient norm (`norm_upper_bound`: the float32
 sum of squares taken axis by axis, so that each reduction is short, times the worst-case rounding
-factor of those reductions), so float32 rounding in the norm cannot let a unit exceed C. The sum
-is returned in float32, or float64 for float64 parameters, whatever the parameter dtype: summing
-thousands of clipped units in bfloat16 or float16 rounds the running sum so coarsely that removing
-one unit can move it by several C. Cast to the parameter dtype only after the noise is added.
+factor of those reductions), so float32 rounding in the norm cannot let a unit exceed C. The
+units are summed in float64 and the total rounded once into float32, or float64 for float64
+parameters, whatever the parameter dtype, with each unit clipped to the C' of
+`summation.effective_clip_norm`, so that the rounding of the sum is inside the sensitivity too
+(summing thousands of clipped units in bfloat16 or float16 would round the running sum so
+coarsely that removing one unit moves it by several C; in float32, by more than C for a few
+hundred thousand units). Cast to the parameter dtype only after the noise is added.
 
 Example:
     >>> import jax.numpy as jnp
@@ -35,8 +38,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
+from dpmix_jax.privacy import summation
 from dpmix_jax.privacy.accounting import ADD_OR_REMOVE_ONE, NeighboringRelation, check_positive
 
 PyTree = Any
@@ -213,17 +216,23 @@ class ClippedGradSum:
         batch: PyTree,
         mask: jax.Array,
         clip_norm: float | jax.Array | None = None,
+        *,
+        release_units: int | None = None,
     ):
         """The clipped sum and per-unit stats, clipped to `clip_norm` (default: `self.clip_norm`).
 
         `clip_norm` may be a traced float32 scalar C_t > 0 (adaptive clipping); the stats then
         hold `unclipped`, whether each unit's norm bound was at most C_t (`clipping.unclipped`).
+        `release_units` (an int, or a traced scalar): this sum is one of several partial sums
+        of a release of that many units, added in float64 by the caller (gradient
+        accumulation); its units are clipped so that the release's rounding stays inside the
+        sensitivity (`summation.effective_clip_norm`).
         """
         if clip_norm is None:
-            return self.function(params, batch, mask)
-        if isinstance(clip_norm, numbers.Real):
+            clip_norm = self.clip_norm
+        elif isinstance(clip_norm, numbers.Real):
             clip_norm = check_positive(clip_norm, "clip_norm")
-        return self.function(params, batch, mask, clip_norm)
+        return self.function(params, batch, mask, clip_norm, release_units)
 
     def sensitivity(self, relation: NeighboringRelation = ADD_OR_REMOVE_ONE) -> float:
         """The L2 sensitivity of the sum: C for add/remove (and zero-out), 2C for replace-one.
@@ -250,12 +259,12 @@ def _clipped_sum(
     function takes the clip norm as an optional last argument (default: `clip_norm`).
     """
 
-    def one_unit(params, unit, unit_mask, unit_clip_norm):
+    def one_unit(params, unit, unit_mask, unit_clip_norm, unit_bound):
         (loss, aux), grad = unit_value_and_grad(params, unit, unit_mask)
         norm = norm_upper_bound(grad)
         keep = jnp.logical_and(jnp.any(unit_mask), jnp.isfinite(norm))
-        factor = clip_factor(norm, unit_clip_norm, keep)
-        # Scaled in float32 (or wider) and kept there: the sum must not round in the leaf dtype.
+        factor = clip_factor(norm, unit_bound, keep)
+        # Scaled in float32 (or wider): the sum must not round in the leaf dtype.
         # jnp.where (not a product) so that a NaN leaf cannot survive a zero scale.
         clipped = jax.tree.map(
             lambda g: jnp.where(keep, g.astype(sum_dtype(g.dtype)) * factor, 0), grad
@@ -263,18 +272,20 @@ def _clipped_sum(
         stats = {"loss": loss, "grad_norm": norm, "aux": aux}
         return clipped, stats | {"unclipped": unclipped(norm, unit_clip_norm, keep)}
 
-    per_unit = jax.vmap(one_unit, in_axes=(None, 0, 0, None), spmd_axis_name=spmd_axis_name)
+    per_unit = jax.vmap(one_unit, in_axes=(None, 0, 0, None, None), spmd_axis_name=spmd_axis_name)
 
-    def chunk_sum(params, units, mask, call_clip_norm):
-        clipped, stats = per_unit(params, units, mask, call_clip_norm)
-        return jax.tree.map(lambda g: jnp.sum(g, axis=0), clipped), stats
+    def chunk_sum(params, units, mask, call_clip_norm, bound):
+        clipped, stats = per_unit(params, units, mask, call_clip_norm, bound)
+        return summation.sum_units(clipped), stats
 
-    def function(params, batch, mask, call_clip_norm=clip_norm):
+    def function(params, batch, mask, call_clip_norm=clip_norm, release_units=None):
         mask = jnp.asarray(mask, dtype=bool)
         num_units = mask.shape[0]
         _check_batch(batch, num_units)
+        roundoff = summation.output_roundoff(params)
+        bound = summation.effective_clip_norm(call_clip_norm, num_units, roundoff, release_units)
         if microbatch_size is None or microbatch_size >= num_units:
-            total, stats = chunk_sum(params, batch, mask, call_clip_norm)
+            total, stats = chunk_sum(params, batch, mask, call_clip_norm, bound)
         else:
             if num_units % microbatch_size:
                 raise ValueError(
@@ -285,15 +296,15 @@ def _clipped_sum(
             split = lambda x: x.reshape(chunks, microbatch_size, *x.shape[1:])
 
             def body(acc, chunk):
-                part, stats = chunk_sum(params, *chunk, call_clip_norm)
-                return optax.tree.add(acc, part), stats
+                part, stats = chunk_sum(params, *chunk, call_clip_norm, bound)
+                return summation.add(acc, part), stats
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, sum_dtype(p.dtype)), params)
+            zeros = summation.wide_zeros(params)
             total, stats = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), split(mask)))
             stats = jax.tree.map(lambda s: s.reshape(num_units, *s.shape[2:]), stats)
         if stats["aux"] is None:
             del stats["aux"]
-        return total, stats
+        return summation.rounded(total, params), stats
 
     return function
 

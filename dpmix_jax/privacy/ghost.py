@@ -34,11 +34,13 @@ over, and the unit would escape clipping. N_j adds the worst-case float32 roundi
 entries and of their sum (staged, so its depth is T + S rather than T·S), computed on layer inputs
 centred at their mean over positions (their common direction is what makes the bound loose) with
 the centring's own rounding added, capped by the triangle inequality ||g_j|| <= Σ_t ||u_t||
-||v_t||, plus the rounding of the unit's rows in the contraction that forms the clipped sum (see
-`_BookKeeper.norm_bounds`). For ordinary inputs N_j is within about 1e-4 of ||g_j|| on small
-layers and 1e-3 on GPT-2-sized ones (T = 384, 768 x 3072); cancelling inputs get a larger N_j and
-are clipped harder. The sums are float32 (float64 for float64 parameters) whatever the parameter
-dtype.
+||v_t|| (see `_BookKeeper.clip_bounds`). For ordinary inputs N_j is within about 1e-4 of ||g_j||
+on small layers and 1e-3 on GPT-2-sized ones (T = 384, 768 x 3072); cancelling inputs get a larger
+N_j and are clipped harder. The clipped sums are accumulated in float64 and rounded once into
+float32 (float64 for float64 parameters) whatever the parameter dtype, each unit is clipped to
+the C' of `summation.effective_clip_norm`, and a unit whose rows' magnitudes dwarf its norm is
+clipped by its share of the accumulation's rounding (`summation.mixing_bound`), so that the
+rounding of the whole sum, in any order of the units, stays inside the sensitivity C.
 
 It returns the same `ClippedGradSum` as `clipping.clipped_grad_sum`, so the two are
 interchangeable; `ghost_user_clipped_grad_sum` is the user-level counterpart of
@@ -75,6 +77,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dpmix_jax.privacy import summation
 from dpmix_jax.privacy.accounting import check_positive
 from dpmix_jax.privacy.clipping import (
     UNIT_ROUNDOFF,
@@ -507,6 +510,11 @@ def _gram_gamma(a: jax.Array, a_side: str, b_side: str) -> float:
     return 0.0 if _IDS in (a_side, b_side) else rounding_gamma(a.shape[-1])
 
 
+def _norm_of_square(square: jax.Array) -> jax.Array:
+    """An upper bound of sqrt(square) in float32 (the square root rounded up by its own u)."""
+    return jnp.sqrt(square) * (1.0 + 2.0 * UNIT_ROUNDOFF)
+
+
 def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     """Rows of x where `keep`, exact zeros elsewhere (a where, so that inf and NaN cannot leak)."""
     return jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), x, 0)
@@ -554,32 +562,37 @@ class _BookKeeper:
         if shared := [k for k, p in self.params.items() if p.uses and p.direct is not None]:
             raise ValueError(f"parameters [{_key_names(shared)}] are used as matrix and vector.")
 
-    def norm_bounds(self) -> jax.Array:
-        """(U,) certified upper bounds of every unit's gradient norm over all parameters.
+    def clip_bounds(self, roundoff: float) -> jax.Array:
+        """(U,) the bound every unit is clipped by: its certified norm bound, or its share of the
+        clipped sum's accumulation error if that is larger.
 
-        Each is at least the norm of what the unit adds to `clipped_sums` per unit of weight:
-        the norm of its exact gradient from the recorded factors, bounded through the rounding
-        of the Gram form, plus the rounding of the unit's own rows in the contraction that forms
-        the clipped sum. For ordinary inputs the bound is within about 1e-4 of the norm; a unit
-        whose positions cancel gets a bound as large as the cancellation makes the rounding.
+        The norm bound covers the unit's exact gradient from the recorded factors, through the
+        rounding of the Gram form; for ordinary inputs it is within about 1e-4 of the norm. The
+        share is `summation.mixing_bound` of the magnitudes the unit adds to the float64
+        accumulations of `clipped_sums` (its rows' Σ_t |u_t||v_t| in a contraction, its computed
+        gradient's norm where that is summed directly); it exceeds the norm bound only for a
+        unit whose positions cancel by a factor of about 2²⁹ / (units · rows).
 
         Privacy: the bound is computed from each unit's own data; it is not private and only
         sets the clip factors.
         """
-        squares, linear = 0.0, 0.0
+        squares, shares = 0.0, 0.0
         for entry in self.params.values():
             if entry.direct is not None:
                 # What the unit adds is the computed vector itself: only its norm's rounding.
                 value, depth = staged_square_sum(entry.direct, lead=1)
-                squares = squares + value * (1.0 + rounding_gamma(depth))
+                value = value * (1.0 + rounding_gamma(depth))
+                mass, terms = _norm_of_square(value), value.shape[0]
             else:
-                sq, lin = self._outer_bounds(entry)
-                squares, linear = squares + sq, linear + lin
+                value, mass, terms = self._outer_bounds(entry)
+            squares = squares + value
+            shares = shares + summation.mixing_bound(mass, terms, roundoff)
         widen = 1.0 + rounding_gamma(len(self.params) + 4)
-        return jnp.asarray((jnp.sqrt(squares) + linear) * widen, jnp.float32)
+        return jnp.maximum(jnp.sqrt(squares) * widen, shares).astype(jnp.float32)
 
-    def _outer_bounds(self, entry: _Param) -> tuple[jax.Array, jax.Array]:
-        """A matrix parameter's (U,) bound of its squared norm and (U,) rounding of its sum.
+    def _outer_bounds(self, entry: _Param) -> tuple[jax.Array, jax.Array, int]:
+        """A matrix parameter's (U,) bound of its squared norm, (U,) bound of the magnitudes it
+        adds to its clipped sum's accumulation, and the number of terms of that accumulation.
 
         Gram form, on the rows of `_Factors.centred` (within its slack of the gradient): with A, B
         the computed Gram matrices of the left and right rows, the exact squared norm
@@ -587,10 +600,11 @@ class _BookKeeper:
         γ_{T+S}·Σ|ÂB̂| (the staged sum) + γ_a·Σ α_t α_s |B̂_ts| + γ_b·Σ |Â_ts| β_t β_s
         + γ_a γ_b·(Σ α β)² (the Gram entries' rounding, α, β the row norms), times 1 + γ_{T·S}
         for the rounding of these non-negative terms themselves (doubled for long sequences);
-        and it never exceeds M² = (Σ_t α_t β_t)², the triangle inequality. The rounding of the
-        clipped sum's contraction over the unit's rows is at most γ_rows·M per unit of weight.
+        and it never exceeds M² = (Σ_t α_t β_t)², the triangle inequality. The clipped sum
+        contracts the unit's rows, of magnitudes M, over all units' rows.
         """
         norms = self._factors.row_norms
+        units = self._factors.grad(entry.uses[0][0]).shape[0]
         if len(entry.uses) == 1:
             name, use = entry.uses[0]
             positions = self._factors.grad(name).shape[1]
@@ -600,7 +614,8 @@ class _BookKeeper:
                 # The sum adds these computed gradients themselves: only their norm's rounding.
                 entry.per_example = self._per_example(name, use)
                 value, depth = staged_square_sum(entry.per_example, lead=1)
-                return value * (1.0 + rounding_gamma(depth)), jnp.zeros_like(value)
+                value = value * (1.0 + rounding_gamma(depth))
+                return value, _norm_of_square(value), units
         uses = [self._factors.centred(name, use) for name, use in entry.uses]
         value, error = 0.0, 0.0
         pairs = list(itertools.combinations_with_replacement(enumerate(uses), 2))
@@ -627,23 +642,28 @@ class _BookKeeper:
         rows = sum(norms(n, u.left).shape[1] for n, u in entry.uses)
         triangle = sum(jnp.sum(norms(n, u.left) * norms(n, u.right), axis=1) for n, u in entry.uses)
         triangle = triangle * (1.0 + rounding_gamma(rows + 2))
-        return jnp.square(jnp.minimum(centred, triangle)), rounding_gamma(rows + 2) * triangle
+        return jnp.square(jnp.minimum(centred, triangle)), triangle, units * rows
 
+    @summation.in_float64
     def clipped_sums(self, weights: jax.Array, keep: jax.Array) -> dict[ParamKey, jax.Array]:
-        """Σ_j weights_j g_j per parameter, with rows outside `keep` contributing exactly zero.
+        """Σ_j weights_j g_j per parameter in float64, rows outside `keep` contributing exactly 0.
 
-        Call after `norm_bounds` (which decides how each matrix parameter is formed).
+        Every factor is converted to float64 before it is scaled and contracted, so products of
+        the float32 factors and weights are exact and only the accumulation rounds (see
+        `summation`). Call after `clip_bounds` (which decides how each matrix parameter is
+        formed).
         """
+        weights = summation.wide(weights)
         sums = {}
         for key, entry in self.params.items():
             if entry.direct is not None:
                 sums[key] = jnp.einsum(
-                    "bd,b->d", _masked(entry.direct, keep), weights, precision=_EXACT
-                )
+                    "bd,b->d", _masked(summation.wide(entry.direct), keep), weights,
+                    precision=_EXACT,
+                )  # fmt: skip
             elif entry.per_example is not None:
-                sums[key] = jnp.tensordot(
-                    weights, _masked(entry.per_example, keep), axes=1, precision=_EXACT
-                )
+                per_example = _masked(summation.wide(entry.per_example), keep)
+                sums[key] = jnp.tensordot(weights, per_example, axes=1, precision=_EXACT)
             else:
                 sums[key] = sum(self._outer_sum(n, u, weights, keep) for n, u in entry.uses)
         return sums
@@ -657,22 +677,24 @@ class _BookKeeper:
         return _outer_contract(left, right, batched=True)
 
     def _outer_sum(self, name: str, use: _Outer, weights: jax.Array, keep: jax.Array):
-        """Σ_j weights_j Σ_t left_jt ⊗ right_jt: one matmul, a conv transpose, or a scatter-add."""
+        """Σ_j weights_j Σ_t left_jt ⊗ right_jt in float64 (inside `clipped_sums`' scope): one
+        matmul, a conv transpose, or a scatter-add."""
         if conv := self._convs[name]:
-            inputs, out_grads = self._factors.conv_arrays(name)
+            inputs, out_grads = map(summation.wide, self._factors.conv_arrays(name))
             weights, keep = self._factors.per_example(weights), self._factors.per_example(keep)
             scaled = weights.reshape(-1, *([1] * (out_grads.ndim - 1))) * out_grads
             return conv.kernel_grad(_masked(inputs, keep), _masked(scaled, keep))
 
         def factor(side):
             x = self._factors.get(name, side)
-            if side == _GRAD:
-                return _masked(x * weights[:, None, None], keep)
-            return x if side == _IDS else _masked(x, keep)
+            if side == _IDS:
+                return x
+            x = summation.wide(x)
+            return _masked(x * weights[:, None, None] if side == _GRAD else x, keep)
 
         left, right = factor(use.left), factor(use.right)
         if use.left == _IDS:
-            table = jnp.zeros((use.left_size, use.right_size), jnp.float32)
+            table = jnp.zeros((use.left_size, use.right_size), summation.ACCUMULATION)
             return table.at[left.reshape(-1)].add(right.reshape(-1, use.right_size))
         return _outer_contract(left, right, batched=False)
 
@@ -709,8 +731,10 @@ def _path_key(path: tuple) -> tuple:
     return tuple(steps)
 
 
+@summation.in_float64
 def _fill(params: PyTree, sums: dict[tuple, jax.Array]) -> PyTree:
-    """`params`-shaped tree of the sums, float32 or wider (`sum_dtype`) whatever the leaf dtype.
+    """`params`-shaped tree of the float64 sums, each rounded once into its leaf's `sum_dtype`
+    (float32 or wider) whatever the leaf dtype.
 
     Every leaf must have been recorded, and nothing else.
     """
@@ -786,7 +810,7 @@ def ghost_user_clipped_grad_sum(loss_fn: TapedLossFn, *, clip_norm: float) -> Cl
 
 
 def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False) -> Callable:
-    def function(params, batch, mask, call_clip_norm=clip_norm):
+    def function(params, batch, mask, call_clip_norm=clip_norm, release_units=None):
         mask = jnp.asarray(mask, dtype=bool)
         for leaf in jax.tree.leaves(batch):
             if leaf.shape[: mask.ndim] != mask.shape:
@@ -814,9 +838,12 @@ def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False)
         losses, pullback, arrays = jax.vjp(taped, zeros, has_aux=True)
         (grads,) = pullback(example_weights.astype(losses.dtype))
         keeper = _BookKeeper(probe.layers, arrays, grads, group)
-        norms = keeper.norm_bounds()
+        roundoff = summation.output_roundoff(params)
+        norms = keeper.clip_bounds(roundoff)
         keep = unit_mask & jnp.isfinite(norms)
-        weights = clip_factor(norms, call_clip_norm, keep)  # the sums are float32
+        units = unit_mask.shape[0]
+        bound = summation.effective_clip_norm(call_clip_norm, units, roundoff, release_units)
+        weights = clip_factor(norms, bound, keep)
         total = _fill(params, keeper.clipped_sums(weights, keep))
         if user_level:
             weighted = jnp.where(example_weights > 0, losses * example_weights, 0)

@@ -45,7 +45,7 @@ import tqdm
 from flax import nnx
 
 from dpmix_jax import interrupt, parallel
-from dpmix_jax.privacy import accounting, correlated_noise, cyclic_sampling, randomness
+from dpmix_jax.privacy import accounting, correlated_noise, cyclic_sampling, randomness, summation
 from dpmix_jax.privacy.adaptive_clipping import (
     AdaptiveClipping,
     adaptive_private_optimizer,
@@ -55,7 +55,6 @@ from dpmix_jax.privacy.adaptive_clipping import (
 from dpmix_jax.privacy.clipping import (
     ClippedGradSum,
     clipped_grad_sum,
-    sum_dtype,
     user_clipped_grad_sum,
 )
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
@@ -465,9 +464,8 @@ class Trainer:
         self._noise_key_used = False
         self._chunk_fn = jax.jit(self._chunk_sum)
         # One dispatch for the accumulator, not one per parameter (it matters for small steps).
-        self._zeros_fn = jax.jit(
-            lambda tree: jax.tree.map(lambda x: jnp.zeros_like(x, sum_dtype(x.dtype)), tree)
-        )
+        self._zeros_fn = jax.jit(summation.wide_zeros)
+        self._round_fn = jax.jit(summation.rounded)
         self._apply_fn = jax.jit(self._apply, donate_argnums=0)
         # Without chunking a private step is this one call: clipped sum, noise and update, the
         # old state's buffers reused for the new one.
@@ -580,13 +578,13 @@ class Trainer:
             return None
         return current_clip_norm(opt_state)
 
-    def _chunk_sum(self, params, frozen, rest, acc, batch, mask, clip_norm):
-        """`acc` = (sum, centred count) plus the chunk's clipped sum (in the sum's float32 or
-        wider dtype, `sum_dtype`) and its centred count of unclipped units."""
+    def _chunk_sum(self, params, frozen, rest, acc, batch, mask, clip_norm, release_units):
+        """`acc` = (float64 sum, centred count) plus the chunk's clipped sum and its centred
+        count of unclipped units (one of the partial sums of `release_units` units)."""
         acc_sum, acc_count = acc
-        total, stats = self._grad_sum(frozen, rest)(params, batch, mask, clip_norm)
-        acc_sum = jax.tree.map(lambda a, t: a + t.astype(a.dtype), acc_sum, total)
-        return acc_sum, acc_count + centred_count(stats["unclipped"], mask)
+        grad_sum = self._grad_sum(frozen, rest)
+        total, stats = grad_sum(params, batch, mask, clip_norm, release_units=release_units)
+        return summation.add(acc_sum, total), acc_count + centred_count(stats["unclipped"], mask)
 
     def _apply(
         self, state: TrainState, gradient: PyTree, count: jax.Array | None = None
@@ -630,10 +628,12 @@ class Trainer:
             mask: bool, same shape as `indices`.
             clip_norm: the clip norm C_t (adaptive clipping); None: `config.clip_norm`.
 
-        The sum is accumulated in float32 or wider (`clipping.sum_dtype`), whatever the
-        parameters' dtype.
+        The chunks' sums are accumulated in float64 and the total is rounded once into float32
+        or wider (`clipping.sum_dtype`), whatever the parameters' dtype.
 
-        Privacy: the sum has sensitivity `clip_norm` per unit; it is *not* private until noised.
+        Privacy: the sum has sensitivity `clip_norm` per unit, the rounding of every chunk's sum
+        and of the total included (each chunk's units are clipped for a release of the whole
+        batch, `ClippedGradSum`'s `release_units`); it is *not* private until noised.
         """
         return self._accumulate(params, gather, indices, mask, clip_norm)[0]
 
@@ -641,8 +641,12 @@ class Trainer:
         """(`clipped_sum`, the centred count of its unclipped units), chunk by chunk."""
         acc = (self._zeros_fn(params), jnp.zeros((), jnp.float32))
         for batch, chunk_mask in self._chunks(gather, indices, mask):
-            acc = self._chunk_fn(params, self.frozen, self.rest, acc, batch, chunk_mask, clip_norm)
-        return acc
+            acc = self._chunk_fn(
+                params, self.frozen, self.rest, acc, batch, chunk_mask, clip_norm,
+                release_units=np.int32(indices.shape[0]),
+            )  # fmt: skip
+        acc_sum, count = acc
+        return self._round_fn(acc_sum, params), count
 
     def _chunks(self, gather: Gather, indices: np.ndarray, mask: np.ndarray):
         """The placed (batch, mask) chunks of a padded index batch, gathered one at a time."""
