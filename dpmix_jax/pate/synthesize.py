@@ -452,9 +452,18 @@ def build_ensemble(
     and the prompt.
 
     Args:
-        documents, model, num_teachers, prompt, max_new_tokens, batch_size, stop_at_newline,
-            separator, on_step, teachers, tuning: as in `synthesize`.
+        documents: as in `synthesize`.
+        model: as in `synthesize`.
+        num_teachers: as in `synthesize`.
+        prompt: as in `synthesize`.
+        max_new_tokens: as in `synthesize`.
         key: the partition's PRNG key; None draws a secret one.
+        batch_size: as in `synthesize`.
+        stop_at_newline: as in `synthesize`.
+        separator: as in `synthesize`.
+        on_step: as in `synthesize`.
+        teachers: as in `synthesize`.
+        tuning: as in `synthesize`.
 
     Raises:
         ValueError: one line naming the argument or document (no text, fewer than 2 units,
