@@ -1,4 +1,4 @@
-"""LoRA adapters for GPT-2: low-rank updates of the attention and MLP projections.
+"""LoRA adapters for GPT-2 and Llama: low-rank updates of the attention and MLP projections.
 
 A LoRA layer (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models") computes
 
@@ -11,10 +11,10 @@ kernel ``(d_in, r)``, ``lora_b`` with kernel ``(r, d_out)``): the ghost clipping
 (`train.ghost_models`) covers them as it covers any dense layer, so a private Trainer with the
 adapter mask selects ghost clipping (`clipping="auto"`) with no LoRA-specific code.
 
-`add_lora` replaces the targeted ``nnx.Linear`` projections of a `GPT2` in place by `LoraLinear`
-(the original layer becomes its ``base``); `trainable_mask` marks the adapters alone as trainable;
-`merge_lora` folds the adapters into the base kernels and returns a plain `GPT2` with the
-checkpoint's parameter layout, for export or decoding without the extra matmuls.
+`add_lora` replaces the targeted ``nnx.Linear`` projections of a `GPT2` or a `Llama` in place by
+`LoraLinear` (the original layer becomes its ``base``); `trainable_mask` marks the adapters alone as
+trainable; `merge_lora` folds the adapters into the base kernels and returns a plain model with
+the checkpoint's parameter layout, for export or decoding without the extra matmuls.
 
 Example:
     >>> import jax.numpy as jnp
@@ -42,11 +42,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dpmix_jax.models.gpt2 import GPT2
+from dpmix_jax.models.llama import Llama
 
 # The projections each target names, as (sub-module of a block, attribute).
 TARGET_LAYERS = {
     "attention": (("attn", "c_attn"), ("attn", "c_proj")),
     "mlp": (("mlp", "c_fc"), ("mlp", "c_proj")),
+}
+LLAMA_TARGET_LAYERS = {
+    "attention": tuple(("self_attn", f"{name}_proj") for name in "qkvo"),
+    "mlp": tuple(("mlp", f"{name}_proj") for name in ("gate", "up", "down")),
 }
 _ADAPTER_NAMES = ("lora_a", "lora_b")
 
@@ -64,7 +69,8 @@ class LoraConfig:
         rank: r, the inner width of every adapter (``1 <= r``; at most each layer's smaller side).
         alpha: α; the adapter's output is scaled by α / r (so changing r keeps the update's scale).
         targets: which projections of every block get an adapter: "attention" (``c_attn``,
-            ``c_proj`` of the attention) and/or "mlp" (``c_fc``, ``c_proj`` of the MLP).
+            ``c_proj`` of the attention) and/or "mlp" (``c_fc``, ``c_proj`` of the MLP); for a
+            `Llama`, the ``q/k/v/o_proj`` and the ``gate/up/down_proj`` projections.
         init_std: standard deviation of A's normal initialisation; None: 1 / sqrt(d_in) of each
             layer (the adapter's hidden activations then have the scale of its inputs).
     """
@@ -144,21 +150,30 @@ class LoraLinear(nnx.Module):
         return (kernel.astype(jnp.float32) + self.scaling * delta).astype(kernel.dtype)
 
 
-def _targets(model: GPT2, targets: tuple[str, ...]):
+def _blocks_and_layers(model: GPT2 | Llama) -> tuple[nnx.List, dict]:
+    """The transformer blocks of `model` and the projections each target names in a block."""
+    if isinstance(model, Llama):
+        return model.layers, LLAMA_TARGET_LAYERS
+    return model.h, TARGET_LAYERS
+
+
+def _targets(model: GPT2 | Llama, targets: tuple[str, ...]):
     """(parent module, attribute) of every targeted projection, block by block."""
-    for block in model.h:
+    blocks, layers = _blocks_and_layers(model)
+    for block in blocks:
         for target in targets:
-            for module_name, attribute in TARGET_LAYERS[target]:
+            for module_name, attribute in layers[target]:
                 yield getattr(block, module_name), attribute
 
 
-def add_lora(model: GPT2, config: LoraConfig, *, rngs: nnx.Rngs) -> GPT2:
+def add_lora(model: GPT2 | Llama, config: LoraConfig, *, rngs: nnx.Rngs) -> GPT2 | Llama:
     """Adds LoRA adapters to the targeted projections of `model`, in place; returns `model`.
 
     The outputs are unchanged at first (B = 0); only `config.targets` get adapters.
 
     Args:
-        model: a `GPT2` without adapters (e.g. from `GPT2.from_pretrained`).
+        model: a `GPT2` or `Llama` without adapters (e.g. from `GPT2.from_pretrained` or
+            `llama_weights.load_llama`).
         config: the adapters' shape and scale.
         rngs: random streams for the A matrices.
 
@@ -228,10 +243,10 @@ def trainable_mask(model_or_params: nnx.Module | nnx.State):
     return mask
 
 
-def merge_lora(model: GPT2) -> GPT2:
-    """A plain `GPT2` whose projections are ``W + (α / r) A B``: the adapted model, merged.
+def merge_lora(model: GPT2 | Llama) -> GPT2 | Llama:
+    """A plain model whose projections are ``W + (α / r) A B``: the adapted model, merged.
 
-    The result has the parameter layout of `GPT2` (and of the transformers checkpoint), so it
+    The result has the parameter layout of `GPT2` or `Llama` (and of the checkpoint), so it
     decodes without the adapters' extra matmuls; `model` itself is left unchanged.
 
     Privacy: post-processing of the adapters and the (public) base weights: the merged model is
@@ -239,8 +254,9 @@ def merge_lora(model: GPT2) -> GPT2:
     """
     merged = nnx.clone(model)
     found = False
-    for block in merged.h:
-        for module_name, attribute in (pair for pairs in TARGET_LAYERS.values() for pair in pairs):
+    blocks, layers = _blocks_and_layers(merged)
+    for block in blocks:
+        for module_name, attribute in (pair for pairs in layers.values() for pair in pairs):
             parent = getattr(block, module_name)
             layer = getattr(parent, attribute)
             if isinstance(layer, LoraLinear):

@@ -8,7 +8,7 @@ selects the method per model without other changes:
 - "ghost": ghost norms and book-keeping (`privacy.ghost`): one forward and one backward pass to the
   layer outputs, then the clipped sums from the kept layer inputs and output gradients; for
   models built from `nnx.Linear`, `nnx.Embed` (including a tied `attend` head), `nnx.LayerNorm`,
-  `nnx.GroupNorm` and the ResNet `Conv` (without weight standardisation).
+  `nnx.RMSNorm`, `nnx.GroupNorm` and the ResNet `Conv` (without weight standardisation).
 
 The ghost path reports layers to the tape without touching model code: inside the traced loss,
 the freshly merged model's supported modules are switched to subclasses whose calls run the
@@ -102,6 +102,20 @@ class _TapLayerNorm(nnx.LayerNorm):
         return tape.scale_shift(name, normalized, outputs, scale=keys["scale"], bias=keys["bias"])
 
 
+class _TapRMSNorm(nnx.RMSNorm):
+    def __call__(self, x, mask=None):
+        if mask is not None:
+            raise ValueError("ghost clipping does not support masked RMSNorm statistics.")
+        tape, name, keys = _tap(self)
+        outputs = super().__call__(x)
+        axes = tuple(range(x.ndim))[self.reduction_axes :] if isinstance(
+            self.reduction_axes, int
+        ) else tuple(self.reduction_axes)  # fmt: skip
+        x = x.astype(jnp.float32)
+        normalized = x * jax.lax.rsqrt(jnp.square(x).mean(axes, keepdims=True) + self.epsilon)
+        return tape.scale_shift(name, normalized, outputs, scale=keys["scale"], bias=None)
+
+
 class _TapGroupNorm(nnx.GroupNorm):
     def __call__(self, x, *, mask=None):
         if mask is not None or self.reduction_axes is not None:
@@ -133,6 +147,7 @@ _TAPPED = {
     nnx.Linear: _TapLinear,
     nnx.Embed: _TapEmbed,
     nnx.LayerNorm: _TapLayerNorm,
+    nnx.RMSNorm: _TapRMSNorm,
     nnx.GroupNorm: _TapGroupNorm,
     GroupNorm: _TapResNetGroupNorm,
     Conv: _TapConv,
