@@ -422,13 +422,13 @@ def _check_demo_arguments(args: argparse.Namespace) -> None:
     """Refuses, before any work, a privacy setting the pipeline would refuse at its first
     private stage: δ, and each stage's share of every ε against the calibration range."""
     from dpmix_jax.pipeline.common import stage_epsilons
-    from dpmix_jax.privacy import accounting
+    from dpmix_jax.privacy import accounting, validation
 
-    accounting.check_delta(args.delta, "argument --delta")
+    validation.check_delta(args.delta, "argument --delta")
     config = _demo_config(args)
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     for epsilon in args.epsilons:
-        accounting.check_epsilon(epsilon, "argument --epsilons")
+        validation.check_epsilon(epsilon, "argument --epsilons")
         stages = stage_epsilons(epsilon, config.composition, config.sequential_mixture_share)
         if not all(low <= stage <= high for stage in stages):
             raise ValueError(
@@ -725,24 +725,24 @@ def _add_generate_command(commands: argparse._SubParsersAction) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     """`dpmix generate`: checks the arguments, loads documents and model, writes the outputs."""
-    from dpmix_jax.privacy import accounting
+    from dpmix_jax.privacy import accounting, validation
 
-    accounting.check_epsilon(args.epsilon, "argument --epsilon")
+    validation.check_epsilon(args.epsilon, "argument --epsilon")
     low, high = accounting.CALIBRATION_EPSILON_RANGE
     if not low <= args.epsilon <= high:
         raise ValueError(f"argument --epsilon must be in [{low:g}, {high:g}], got {args.epsilon:g}")
     individual = args.accounting == "individual"
     num_teachers = _TEXT_DEFAULT_TEACHERS if args.num_teachers is None else args.num_teachers
     if not individual or args.num_teachers is not None:  # else δ < 1/units, checked on the data
-        accounting.check_delta_for_units(
+        validation.check_delta_for_units(
             args.delta, max(num_teachers, 1), unit="teachers", name="argument --delta"
         )
     for name in ("num_samples", "max_new_tokens"):
-        accounting.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
+        validation.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
     if args.tuning_steps is not None:
         if args.teachers != "fine-tuned":
             raise ValueError("argument --tuning-steps: applies to --teachers fine-tuned")
-        accounting.check_steps(args.tuning_steps, "argument --tuning-steps")
+        validation.check_steps(args.tuning_steps, "argument --tuning-steps")
     _check_individual_arguments(args)
     if args.documents is not None and args.num_teachers is None and not individual:
         raise ValueError(
@@ -936,7 +936,9 @@ def one_line_errors(prog: str) -> Iterator[None]:
 
 
 def _one_line(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.filename is not None:
+    if (large := _large_delta(err)) is not None:  # a command without an override flag
+        text = large.message(None)
+    elif isinstance(err, OSError) and err.filename is not None:
         text = f"{err.strerror or err}: {err.filename}; check the path and its permissions"
     elif isinstance(err, RecursionError):
         text = f"input nested too deeply to read ({err})"
@@ -953,15 +955,34 @@ def _printable(char: str) -> str:
     return repr(char)[1:-1]
 
 
+def _large_delta(err: BaseException):
+    """`err` if it is a `validation.LargeDeltaError` (whose module is then loaded), else None."""
+    validation = sys.modules.get("dpmix_jax.privacy.validation")
+    return err if validation and isinstance(err, validation.LargeDeltaError) else None
+
+
+@contextlib.contextmanager
+def _delta_override(flag: str | None) -> Iterator[None]:
+    """Reports a δ >= 1/n refusal as `argument --delta: ...`, naming the command's `flag`."""
+    try:
+        yield
+    except ValueError as err:
+        if (large := _large_delta(err)) is None:
+            raise
+        raise ValueError(f"argument --delta: {large.message(flag)}") from None
+
+
 def _command(args: argparse.Namespace) -> int:
     if args.command == "demo":
         if args.out is None:
             args.out = pathlib.Path("runs/demo" if args.dataset == "image" else "runs/demo_text")
-        return _demo(args)
+        with _delta_override("--allow-large-delta"):
+            return _demo(args)
     if args.command == "report":
         return _report(args)
     if args.command == "generate":
-        return _generate(args)
+        with _delta_override(None):
+            return _generate(args)
     if args.command == "experiments":
         width = max(map(len, EXPERIMENTS))
         for name, text in EXPERIMENTS.items():

@@ -28,7 +28,6 @@ API:
     on_main_process(write)                     write() on process 0 only; every process waits
     broadcast_from_main(value) -> value        process 0's numpy value on every process
     agree(flag) -> bool                        process 0's answer (e.g. "is it stored?") on all
-    agree_int(value) -> int                    process 0's integer (e.g. a secret seed) on all
     tree_sharding(tree, mesh, *, min_size) -> pytree of NamedSharding (FSDP rule, by shape)
     shard_tree(tree, mesh, *, min_size)         device_put with `tree_sharding`
     batch_sharding(mesh) -> NamedSharding       leading axis over "data"
@@ -171,21 +170,6 @@ def agree(flag: bool) -> bool:
     """Process 0's `flag` on every process: one decision (compute or read a stored stage) for
     all, even when a file appears between the processes' checks. A collective."""
     return bool(broadcast_from_main(np.asarray(bool(flag))))
-
-
-def agree_int(value: int) -> int:
-    """Process 0's non-negative integer (any size, e.g. a 128-bit secret seed) on every process.
-
-    A collective. Privacy: a secret stays inside the run's processes.
-    """
-    words = []
-    while True:
-        words.append(value % 2**32)
-        value //= 2**32
-        if not value:
-            break
-    shared = broadcast_from_main(np.asarray(words + [0] * (8 - len(words)), np.uint32))
-    return sum(int(w) << (32 * i) for i, w in enumerate(shared))
 
 
 def _leaf_spec(shape: tuple[int, ...], model_size: int, min_size: int) -> PartitionSpec:

@@ -22,9 +22,9 @@ import numpy as np
 
 from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.pipeline.compare import provenance
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness
+from dpmix_jax.privacy import SEEDED_NOTE, randomness, validation
 from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping, current_clip_norm
-from dpmix_jax.privacy.noise import fresh_secret_key
+from dpmix_jax.privacy.randomness import fresh_secret_key
 from dpmix_jax.train import fit
 from experiments.common_args import (
     add_reproducible_flag,
@@ -58,14 +58,14 @@ class AdaptiveClippingStudyConfig:
     pretrain_steps: int | None = None
 
     def __post_init__(self) -> None:
-        accounting.check_epsilon(self.epsilon)
+        validation.check_epsilon(self.epsilon)
         if not self.seeds or not self.clip_scales:
             raise ValueError("seeds and clip_scales must be non-empty.")
         for scale in self.clip_scales:
-            accounting.check_positive(scale, "clip_scales")
+            validation.check_positive(scale, "clip_scales")
         for name in ("steps", "pretrain_steps"):
             if getattr(self, name) is not None:
-                accounting.check_steps(getattr(self, name), name)
+                validation.check_steps(getattr(self, name), name)
         AdaptiveClipping(target_quantile=self.target_quantile, learning_rate=self.learning_rate)
 
 

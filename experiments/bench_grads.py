@@ -65,7 +65,7 @@ from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, lora
 from dpmix_jax.pate import samplers
 from dpmix_jax.pipeline.compare import peak_memory_gib, provenance
 from dpmix_jax.privacy import correlated_noise, noise
-from dpmix_jax.train import engine
+from dpmix_jax.train import TrainConfig, engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
 from experiments.common_args import experiment_main, experiment_parser
 from experiments.configs.bench_grads import (
@@ -161,7 +161,7 @@ def _trainer_runner(method: str, config: BenchConfig, spec: ModelBench, data: di
         private=True, clip_norm=CLIP_NORM, delta=1e-5, noise_multiplier=NOISE_MULTIPLIER,
         pad_multiple=batch_size,
     ) if private else {}  # fmt: skip
-    train_config = engine.TrainConfig(
+    train_config = TrainConfig(
         steps=1000, batch_size=batch_size, learning_rate=LEARNING_RATE, optimizer="sgd",
         progress=False, **dp,
     )  # fmt: skip

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.mixing import objectives, solvers  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness, validation  # noqa: E402
 from experiments.common_args import (
     add_reproducible_flag,
     add_seeds_option,
@@ -56,13 +56,13 @@ class ClipStudyConfig:
 
     def __post_init__(self) -> None:
         for c in self.clip_norms:
-            accounting.check_positive(c, "clip_norm")
+            validation.check_positive(c, "clip_norm")
         if not set(self.shifts) <= set(solvers.SHIFTS) or not self.shifts:
             raise ValueError(f"shifts must be a non-empty subset of {solvers.SHIFTS}.")
-        accounting.check_epsilon(self.epsilon)
-        accounting.check_delta(self.delta)
-        accounting.check_steps(self.steps)
-        accounting.check_positive(self.step_scale, "step_scale")
+        validation.check_epsilon(self.epsilon)
+        validation.check_delta(self.delta)
+        validation.check_steps(self.steps)
+        validation.check_positive(self.step_scale, "step_scale")
 
 
 def clipped_fraction(preds: np.ndarray, weights: np.ndarray, shift: str, clip_norm: float) -> float:

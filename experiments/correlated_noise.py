@@ -36,9 +36,15 @@ from dpmix_jax.pipeline import common, presets, text_presets
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.pipeline.image import ImagePipeline
 from dpmix_jax.pipeline.text import TextPipeline
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, correlated_noise, noise, randomness
+from dpmix_jax.privacy import (
+    SEEDED_NOTE,
+    correlated_noise,
+    gaussian_noise,
+    randomness,
+    validation,
+)
 from dpmix_jax.train import fit
-from dpmix_jax.train.engine import Optimizer
+from dpmix_jax.train.config import Optimizer
 from experiments.common_args import (
     add_reproducible_flag,
     add_seeds_option,
@@ -87,17 +93,17 @@ class CorrelatedNoiseConfig:
         for b in self.bands + self.long_bands:
             correlated_noise.check_bands(b)
         for epsilon in self.epsilons + self.long_epsilons:
-            accounting.check_epsilon(epsilon)
-        accounting.check_delta(self.delta)
-        accounting.check_steps(self.finetune_steps, "finetune_steps")
-        accounting.check_steps(self.long_steps, "long_steps")
-        accounting.check_steps(self.text_steps, "text_steps")
+            validation.check_epsilon(epsilon)
+        validation.check_delta(self.delta)
+        validation.check_steps(self.finetune_steps, "finetune_steps")
+        validation.check_steps(self.long_steps, "long_steps")
+        validation.check_steps(self.text_steps, "text_steps")
         if not isinstance(self.long_batch_size, int) or self.long_batch_size < 1:
             raise ValueError(
                 f"long_batch_size must be an integer >= 1, got {self.long_batch_size!r}"
             )
-        accounting.check_steps(self.mixmin_steps, "mixmin_steps")
-        accounting.check_steps(self.bench_repeats, "bench_repeats")
+        validation.check_steps(self.mixmin_steps, "mixmin_steps")
+        validation.check_steps(self.bench_repeats, "bench_repeats")
         if not self.long_optimizers:
             raise ValueError("long_optimizers must name at least one (optimizer, learning rate).")
         if not self.seeds:
@@ -270,7 +276,7 @@ def noise_step_rows(config: CorrelatedNoiseConfig) -> list:
     """Median wall time of one jitted noise update on a float32 vector of `bench_size`."""
     params = jnp.zeros(config.bench_size, jnp.float32)
     key = jax.random.key(0)  # timing only: this noise protects nothing
-    transformations = [("DP-SGD", noise.add_gaussian_noise(1.0, key))]
+    transformations = [("DP-SGD", gaussian_noise.add_gaussian_noise(1.0, key))]
     transformations += [
         (
             f"BandMF b={b}",

@@ -23,7 +23,7 @@ import numpy as np
 
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pipeline.compare import provenance
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise, validation
 from experiments.common_args import (
     add_reproducible_flag,
     add_seeds_option,
@@ -54,13 +54,13 @@ class DiscreteNoiseConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        accounting.check_steps(self.vocab_size, "vocab_size")
-        accounting.check_steps(self.repeats, "repeats")
+        validation.check_steps(self.vocab_size, "vocab_size")
+        validation.check_steps(self.repeats, "repeats")
         for epsilon in self.laplace_epsilons:
-            accounting.check_epsilon(epsilon, "laplace_epsilons")
+            validation.check_epsilon(epsilon, "laplace_epsilons")
         for sigma in self.gaussian_sigmas:
-            accounting.check_positive(sigma, "gaussian_sigmas")
-        accounting.check_delta(self.delta)
+            validation.check_positive(sigma, "gaussian_sigmas")
+        validation.check_delta(self.delta)
 
 
 def _rate(draw, size: int, repeats: int) -> float:

@@ -40,7 +40,7 @@ from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.mixing import objectives  # noqa: E402
 from dpmix_jax.pipeline import common, presets  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness, validation  # noqa: E402
 from dpmix_jax.privacy.plan import plan_dp_sgd  # noqa: E402
 from experiments import k_scaling  # noqa: E402
 from experiments.common_args import (  # noqa: E402
@@ -89,7 +89,7 @@ def expected_best_of(values: np.ndarray, count: int) -> float:
     values = np.sort(np.asarray(values, np.float64))
     if values.ndim != 1 or len(values) == 0:
         raise ValueError("values must be a non-empty 1-D array.")
-    accounting.check_steps(count, "count")
+    validation.check_steps(count, "count")
     n = len(values)
     at_least = (np.arange(n, 0, -1) / n) ** count  # P(min >= x_(i)), i = 1..N
     return float(np.sum(values * (at_least - np.append(at_least[1:], 0.0))))

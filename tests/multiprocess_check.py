@@ -25,7 +25,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from dpmix_jax import parallel  # noqa: E402
 from dpmix_jax.models import gpt2, resnet  # noqa: E402
-from dpmix_jax.train import checkpoint, engine, losses  # noqa: E402
+from dpmix_jax.train import TrainConfig, checkpoint, engine, losses  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 READ = {"rows": 0}
@@ -75,7 +75,7 @@ def main(out: pathlib.Path) -> None:
             )
         )
     mesh = parallel.make_mesh(parallel.MeshConfig())
-    config = engine.TrainConfig(
+    config = TrainConfig(
         steps=4, batch_size=16, learning_rate=0.05, optimizer="adam", private=True,
         clip_norm=0.5, delta=1e-5, noise_multiplier=1.0, pad_multiple=8, progress=False,
         log_every=None,

@@ -20,7 +20,7 @@ from flax import nnx  # noqa: E402
 
 from dpmix_jax import parallel  # noqa: E402
 from dpmix_jax.models import gpt2, resnet  # noqa: E402
-from dpmix_jax.train import engine, losses  # noqa: E402
+from dpmix_jax.train import TrainConfig, engine, losses  # noqa: E402
 
 
 def image_case():
@@ -78,7 +78,7 @@ def run(case, mesh, config):
 
 def main():
     assert jax.device_count() == 8, jax.device_count()
-    config = engine.TrainConfig(
+    config = TrainConfig(
         steps=1,
         batch_size=16,
         learning_rate=0.05,

@@ -23,7 +23,7 @@ from dpmix_jax.privacy.adaptive_clipping import (
     split_noise_multiplier,
 )
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
-from dpmix_jax.train import Checkpointer, engine, losses
+from dpmix_jax.train import Checkpointer, TrainConfig, engine, losses
 
 # ---------------------------------------------------------------------------------------------
 # Settings and the noise split.
@@ -304,7 +304,7 @@ def test_clip_norm_stays_finite_and_positive():
 DATA = tiny_data(80, num_users=16)
 gather = DATA.gather
 ADAPTIVE = AdaptiveClipping(target_quantile=0.5, learning_rate=0.3, count_noise_stddev=2.0)
-CONFIG = engine.TrainConfig(
+CONFIG = TrainConfig(
     steps=6, batch_size=16, learning_rate=0.05, optimizer="adam", private=True, clip_norm=5.0,
     delta=1e-5, noise_multiplier=1.2, pad_multiple=8, checkpoint_every=2, log_every=None,
     progress=False, adaptive_clipping=ADAPTIVE,
@@ -321,7 +321,7 @@ def new_trainer(config=CONFIG, key=42):
 
 def test_config_rejects_adaptive_clipping_in_public_runs_and_wrong_types():
     with pytest.raises(ValueError, match="adaptive_clipping"):
-        engine.TrainConfig(steps=1, batch_size=4, learning_rate=0.1, adaptive_clipping=ADAPTIVE)
+        TrainConfig(steps=1, batch_size=4, learning_rate=0.1, adaptive_clipping=ADAPTIVE)
     with pytest.raises(ValueError, match="adaptive_clipping"):
         dataclasses.replace(CONFIG, adaptive_clipping={"target_quantile": 0.5})
     with pytest.raises(ValueError, match="count_noise_stddev"):  # σ_b = 0.5 <= σ/2 = 0.6
@@ -345,7 +345,7 @@ def test_trainer_step_matches_the_mechanism_by_hand():
     count = float(centred_count(stats["unclipped"], mask))
     _, noise_key, count_key = jax.random.split(jax.random.key(42), 3)
     sigma_delta = ADAPTIVE.gradient_noise_multiplier(1.2, trainer.plan.expected_batch_size)
-    from dpmix_jax.privacy.noise import gaussian_noise_tree
+    from dpmix_jax.privacy.gaussian_noise import gaussian_noise_tree
     from dpmix_jax.privacy.randomness import normal
 
     noise = gaussian_noise_tree(noise_key, total, sigma_delta * 5.0)
@@ -452,7 +452,7 @@ def _audit_run(noise_multiplier, included, seed):
         rows = np.maximum(idx, 0)
         return {k: v[rows] for k, v in data.items()}
 
-    config = engine.TrainConfig(
+    config = TrainConfig(
         steps=40, batch_size=300, learning_rate=1.0, optimizer="sgd", private=True,
         clip_norm=1.0, delta=1e-5, noise_multiplier=noise_multiplier, pad_multiple=64,
         clipping="vmap", progress=False, log_every=None, allow_large_delta=True,
@@ -521,6 +521,36 @@ def test_dp_mixmin_with_adaptive_clipping_tracks_the_quantile_at_the_same_epsilo
     final = result.clip_norms[-1]
     assert final < 10.0
     assert np.mean(norms <= final) == pytest.approx(0.5, abs=0.2)
+
+
+def test_the_solver_noises_the_sum_with_split_noise_multiplier(monkeypatch):
+    # The jitted solver core takes its σ_Δ from `split_noise_multiplier`, traced σ and all:
+    # every draw's stddev is σ_Δ·C_t for the σ_b of `count_stddev`.
+    from dpmix_jax.mixing import solvers
+    from dpmix_jax.privacy import gaussian_noise
+
+    stddevs, clip_norms = [], []
+    draw = gaussian_noise.gaussian_noise_tree
+
+    def recording(key, like, stddev):
+        stddevs.append(float(stddev))
+        return draw(key, like, stddev)
+
+    monkeypatch.setattr(gaussian_noise, "gaussian_noise_tree", recording)
+    examples = solvers.objectives.prepare_examples(_mixmin_preds()[:64], kind="nll")
+    steps, sigma, batch, clip = 3, 1.3, 16.0, 2.0
+    batches = jnp.arange(steps * 16).reshape(steps, 16) % 64
+    adaptive = AdaptiveClipping(target_quantile=0.5, learning_rate=0.3)
+    with jax.disable_jit():
+        trace = solvers._run_private(
+            jnp.zeros(4), lambda state, noisy, t: state - 0.1 * noisy, jax.nn.softmax,
+            examples, batches, jnp.ones((steps, 16), bool), jax.random.key(1), kind="nll",
+            clip_norm=clip, noise_multiplier=jnp.float32(sigma), shift=solvers.DEFAULT_SHIFT,
+            strategy=(1.0,), adaptive_clipping=adaptive, expected_batch_size=batch,
+        )  # fmt: skip
+    clip_norms = [clip, *np.asarray(trace.clip_norms)[:-1]]
+    sigma_delta = split_noise_multiplier(sigma, adaptive.count_stddev(batch, sigma))
+    np.testing.assert_allclose(stddevs, sigma_delta * np.asarray(clip_norms), rtol=1e-6)
 
 
 def test_dp_mixmin_refuses_count_noise_below_half_sigma():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from dpmix_jax.privacy import clipping
 from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
-from dpmix_jax.train import engine
+from dpmix_jax.train import TrainConfig, engine
 
 CLIP = 1.0
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -326,7 +326,7 @@ def test_trainer_gradient_accumulation_over_262144_units():
     # Chunks of 8,192 units: each chunk's float32 sum and the total are rounded; the chunks are
     # accumulated in float64 and clipped for the whole batch (`summation`, roundings=3).
     batch, _, _ = _many_units_batches()
-    config = engine.TrainConfig(
+    config = TrainConfig(
         steps=1, batch_size=MANY, learning_rate=0.1, optimizer="sgd", private=True,
         clip_norm=CLIP, delta=1e-7, noise_multiplier=1.0, pad_multiple=8192, chunk_size=8192,
         progress=False, log_every=None, clipping="vmap",
@@ -414,7 +414,7 @@ def test_partial_fine_tuning_through_the_trainer():
     # The Trainer's default ("auto": ghost here) path with a frozen layer.
     x, v = cancelling(np.random.default_rng(7), 8, 2, 8, 8)
     model = _FrozenThenHead()
-    config = engine.TrainConfig(
+    config = TrainConfig(
         steps=1, batch_size=4, learning_rate=0.1, optimizer="sgd", private=True, clip_norm=CLIP,
         delta=1e-5, noise_multiplier=1.0, pad_multiple=4, progress=False, log_every=None,
     )  # fmt: skip

@@ -21,7 +21,7 @@ from dpmix_jax.data import cxr, text
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pate import generation, samplers
-from dpmix_jax.privacy import accounting, clipping, plan, sampling
+from dpmix_jax.privacy import accounting, clipping, plan, sampling, validation
 
 # ------------------------------------------------------------------------------------------
 # Chest X-ray CSVs and images
@@ -425,12 +425,12 @@ def test_privacy_functions_accept_numpy_scalars():
         noise_multiplier=np.float32(1.5), sampling_rate=np.float64(0.01), steps=np.int64(10)
     )
     assert event == accounting.dpsgd_event(noise_multiplier=1.5, sampling_rate=0.01, steps=10)
-    assert accounting.check_steps(np.int64(5)) == 5 and accounting.check_steps(np.float64(5.0)) == 5
+    assert validation.check_steps(np.int64(5)) == 5 and validation.check_steps(np.float64(5.0)) == 5
     for bad in (np.float64(5.5), np.float64(np.inf), np.float64(np.nan), np.bool_(True), True):
         with pytest.raises(ValueError, match="steps must be an integer >= 1"):
-            accounting.check_steps(bad)
-    assert accounting.check_epsilon(np.float32(2.0)) == 2.0
-    assert accounting.check_delta(np.float64(1e-5)) == 1e-5
+            validation.check_steps(bad)
+    assert validation.check_epsilon(np.float32(2.0)) == 2.0
+    assert validation.check_delta(np.float64(1e-5)) == 1e-5
     ledger = accounting.PrivacyLedger()
     ledger.record(event, np.int64(3))
     assert ledger.count == 3

@@ -12,11 +12,11 @@ from flax import nnx
 from tiny_trainer import TinyMLP, tiny_data
 
 from dpmix_jax.privacy.accounting import PrivacyLedger, dpsgd_event
-from dpmix_jax.train import Checkpointer, engine, losses
+from dpmix_jax.train import Checkpointer, TrainConfig, engine, losses
 
 DATA = tiny_data(80)
 gather = DATA.gather
-CONFIG = engine.TrainConfig(
+CONFIG = TrainConfig(
     steps=6,
     batch_size=10,
     learning_rate=0.05,

@@ -336,6 +336,19 @@ def test_demo_delta_of_one_over_n_is_refused_unless_allowed(monkeypatch, tmp_pat
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", "--delta", "0.5", "--out", str(tmp_path / "a")])
     assert exit_info.value.code == 2
-    assert "delta = 0.5 >= 1/n" in capsys.readouterr().err and seen["allow"] is False
+    err = capsys.readouterr().err
+    assert "argument --delta: delta = 0.5 >= 1/n" in err and seen["allow"] is False
+    assert "or --allow-large-delta to run anyway" in err and "allow_large_delta=True" not in err
     args = ["demo", "--delta", "0.5", "--allow-large-delta", "--out", str(tmp_path / "b")]
     assert cli.main(args) == 0 and seen["allow"] is True
+
+
+def test_a_large_delta_without_an_override_flag_names_none(capsys):
+    # An experiment has no --allow-large-delta: its message says what to change, nothing else.
+    from dpmix_jax.privacy.validation import LargeDeltaError
+
+    with pytest.raises(SystemExit), cli.one_line_errors("dpmix run enron"):
+        raise LargeDeltaError(0.01, 148, "users", "delta")
+    err = capsys.readouterr().err
+    assert "delta = 0.01 >= 1/n" in err and "users" in err
+    assert "allow" not in err and "anyway" not in err

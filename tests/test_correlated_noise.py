@@ -22,9 +22,16 @@ from flax import nnx
 from tiny_trainer import TinyMLP, tiny_data
 
 from dpmix_jax.mixing import objectives, solvers
-from dpmix_jax.privacy import audit, correlated_noise, cyclic_sampling, noise, sampling
+from dpmix_jax.privacy import (
+    audit,
+    correlated_noise,
+    cyclic_sampling,
+    gaussian_noise,
+    noise,
+    sampling,
+)
 from dpmix_jax.privacy.plan import DpSgdConfig, plan_dp_sgd
-from dpmix_jax.train import Checkpointer, engine, losses
+from dpmix_jax.train import Checkpointer, TrainConfig, engine, losses
 
 # ------------------------------------------------------------------------------ the strategy
 
@@ -100,7 +107,7 @@ def test_one_band_is_gaussian_noise_bit_for_bit():
     strategy = correlated_noise.sqrt_prefix_sum(1)
     key = jax.random.key(3)
     correlated, _ = _noises(correlated_noise.add_correlated_noise(0.7, strategy, key), params, 4)
-    independent, _ = _noises(noise.add_gaussian_noise(0.7, key), params, 4)
+    independent, _ = _noises(gaussian_noise.add_gaussian_noise(0.7, key), params, 4)
     for c, i in zip(correlated, independent, strict=True):
         for name in params:
             assert c[name].dtype == i[name].dtype == jnp.float32
@@ -114,7 +121,7 @@ def test_noise_is_the_inverse_strategy_applied_to_the_gaussian_draws():
     correlated, state = _noises(
         correlated_noise.add_correlated_noise(2.0, strategy, key), params, steps
     )
-    z, _ = _noises(noise.add_gaussian_noise(2.0, key), params, steps)
+    z, _ = _noises(gaussian_noise.add_gaussian_noise(2.0, key), params, steps)
     expected = scipy.linalg.solve_triangular(
         strategy.strategy_matrix(steps), np.stack(z).astype(np.float64), lower=True
     )
@@ -282,7 +289,7 @@ def test_bad_noise_settings_are_refused_in_one_line():
     with pytest.raises(ValueError, match="would exceed 1"):
         plan_dp_sgd(DpSgdConfig(**common, noise="bandmf", bands=4), num_units=39)
     with pytest.raises(ValueError, match="bands"):
-        engine.TrainConfig(steps=3, batch_size=4, learning_rate=0.1, bands=2)
+        TrainConfig(steps=3, batch_size=4, learning_rate=0.1, bands=2)
 
 
 # ------------------------------------------------------------------------------ the Trainer
@@ -299,7 +306,7 @@ def _config(**changes):
         progress=False, noise="bandmf", bands=3,
     )  # fmt: skip
     settings.update(changes)
-    return engine.TrainConfig(**settings)
+    return TrainConfig(**settings)
 
 
 def _trainer(config, key=42):
@@ -475,7 +482,7 @@ def _audit_run(noise_multiplier, *, canaries, included, dim, epsilon, seed):
     else:
         settings["noise_multiplier"] = noise_multiplier
     trainer = engine.Trainer(
-        engine.TrainConfig(**settings), _Dirac(dim + canaries), loss_fn, num_units=units,
+        TrainConfig(**settings), _Dirac(dim + canaries), loss_fn, num_units=units,
         noise_key=jax.random.key(seed),
     )  # fmt: skip
     data = engine.IndexedData(gather=gather, num_examples=units)
@@ -561,7 +568,7 @@ def test_mirror_descent_noise_is_the_inverse_strategy_of_the_draws():
     )  # fmt: skip
     draws = np.stack(
         [
-            noise.gaussian_noise_tree(step_key, jnp.zeros(k), sigma * clip)
+            gaussian_noise.gaussian_noise_tree(step_key, jnp.zeros(k), sigma * clip)
             for step_key in jax.random.split(key, steps)
         ]
     ).astype(np.float64)

@@ -6,7 +6,7 @@ import pytest
 from dpmix_jax.data.text import UserDocuments
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pipeline import text_data
-from dpmix_jax.privacy import accounting, plan
+from dpmix_jax.privacy import plan, validation
 
 
 def _config(**overrides):
@@ -101,7 +101,7 @@ def test_text_task_splits_keep_every_user_in_place_when_a_user_joins():
 
 def test_delta_helper_names_the_argument_and_the_numbers():
     with pytest.raises(ValueError, match=r"^report_delta = 0.2 >= 1/n = 0.1 for n = 10 records"):
-        accounting.check_delta_for_units(0.2, 10, unit="records", name="report_delta")
-    assert accounting.check_delta_for_units(0.2, 10, allow_large_delta=True) == 0.2
+        validation.check_delta_for_units(0.2, 10, unit="records", name="report_delta")
+    assert validation.check_delta_for_units(0.2, 10, allow_large_delta=True) == 0.2
     with pytest.raises(ValueError, match="open interval"):
-        accounting.check_delta_for_units(1.0, 10, allow_large_delta=True)
+        validation.check_delta_for_units(1.0, 10, allow_large_delta=True)

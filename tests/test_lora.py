@@ -18,7 +18,7 @@ from test_adversarial_clipping import CLIP, assert_sound, cancelling
 from dpmix_jax.models import lora
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
 from dpmix_jax.privacy import audit
-from dpmix_jax.train import engine
+from dpmix_jax.train import TrainConfig, engine
 from dpmix_jax.train.checkpoint import Checkpointer
 from dpmix_jax.train.losses import next_token_nll
 
@@ -62,7 +62,7 @@ def _private_config(**overrides):
         steps=3, batch_size=8, learning_rate=0.05, optimizer="sgd", private=True, clip_norm=0.5,
         delta=1e-5, noise_multiplier=1.0, pad_multiple=8, progress=False, log_every=None,
     )  # fmt: skip
-    return engine.TrainConfig(**{**settings, **overrides})
+    return TrainConfig(**{**settings, **overrides})
 
 
 def _trainer(model, **overrides):

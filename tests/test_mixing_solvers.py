@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dpmix_jax.mixing import metrics, objectives, solvers
-from dpmix_jax.privacy import accounting, noise
+from dpmix_jax.privacy import accounting, gaussian_noise
 from experiments.k_scaling import mixture_problem
 
 PREDS = np.random.default_rng(3).uniform(0.05, 0.95, size=(400, 5))
@@ -83,7 +83,7 @@ def test_example_level_step_matches_per_example_loop():
         g = -PREDS[j] / (PREDS[j] @ weights)
         total += _clip(g - g.mean(), clip)
     step_key = jax.random.split(key, 1)[0]
-    total += np.asarray(noise.gaussian_noise_tree(step_key, jnp.zeros(5), sigma * clip))
+    total += np.asarray(gaussian_noise.gaussian_noise_tree(step_key, jnp.zeros(5), sigma * clip))
     logits = -lr * total / b
     expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
     np.testing.assert_allclose(trace.weights, expected, rtol=1e-5)
@@ -113,7 +113,7 @@ def test_user_level_step_averages_within_users_before_clipping():
         if len(rows):
             total += _clip(np.mean(-PREDS[rows] / (PREDS[rows] @ weights)[:, None], axis=0), clip)
     total += np.asarray(
-        noise.gaussian_noise_tree(jax.random.split(key, 1)[0], jnp.zeros(5), sigma * clip)
+        gaussian_noise.gaussian_noise_tree(jax.random.split(key, 1)[0], jnp.zeros(5), sigma * clip)
     )
     logits = -lr * total / b
     np.testing.assert_allclose(trace.weights, np.exp(logits) / np.exp(logits).sum(), rtol=1e-5)
@@ -138,7 +138,7 @@ def test_frank_wolfe_step_moves_towards_the_noisy_argmin_vertex():
         rows = indices[t - 1][indices[t - 1] >= 0]
         total = sum(_clip(-PREDS[j] / (PREDS[j] @ weights), clip) for j in rows)
         total = total + np.asarray(
-            noise.gaussian_noise_tree(keys[t - 1], jnp.zeros(5), sigma * clip)
+            gaussian_noise.gaussian_noise_tree(keys[t - 1], jnp.zeros(5), sigma * clip)
         )
         gamma = 2 / (t + 2)
         weights = (1 - gamma) * weights + gamma * np.eye(5)[np.argmin(total)]

@@ -12,6 +12,8 @@ import pytest
 from simulated_devices import xla_flags
 
 from dpmix_jax import parallel
+from dpmix_jax.privacy import randomness
+from dpmix_jax.train import TrainConfig
 
 
 def test_mesh_config_and_sharding_rule():
@@ -63,7 +65,7 @@ def test_mesh_flag_parsing_and_the_active_mesh_reaches_the_trainer():
 
     from dpmix_jax.train import engine, losses
 
-    config = engine.TrainConfig(steps=1, batch_size=1, learning_rate=0.1, progress=False)
+    config = TrainConfig(steps=1, batch_size=1, learning_rate=0.1, progress=False)
     model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
     mesh = parallel.make_mesh(parallel.MeshConfig())
     try:
@@ -77,7 +79,8 @@ def test_mesh_flag_parsing_and_the_active_mesh_reaches_the_trainer():
     parallel.on_main_process(lambda: written.append(1))
     assert written == [1] and parallel.is_main_process()
     np.testing.assert_array_equal(parallel.broadcast_from_main(np.arange(3)), np.arange(3))
-    assert [parallel.agree_int(v) for v in (0, 2**32, 2**128 - 1)] == [0, 2**32, 2**128 - 1]
+    secrets = (0, 2**32, 2**128 - 1)
+    assert [randomness.agree_secret(v) for v in secrets] == list(secrets)
     assert parallel.agree(True) and not parallel.agree(False)
 
 

@@ -7,12 +7,12 @@ import optax
 import pytest
 from scipy import stats
 
-from dpmix_jax.privacy import accounting, clipping, noise, plan, sampling
+from dpmix_jax.privacy import accounting, clipping, gaussian_noise, noise, plan, sampling
 
 
 def test_noise_stddev_matches_sigma_times_sensitivity():
     sigma, clip = 1.3, 0.7
-    transform = noise.add_gaussian_noise(sigma * clip, jax.random.key(42))
+    transform = gaussian_noise.add_gaussian_noise(sigma * clip, jax.random.key(42))
     zeros = {"a": jnp.zeros((200, 100)), "b": jnp.zeros(5_000)}
     state = transform.init(zeros)
     noisy, state = transform.update(zeros, state)
@@ -26,7 +26,7 @@ def test_noise_stddev_matches_sigma_times_sensitivity():
 
 
 def test_noise_is_reproducible_from_the_key_and_independent_across_leaves():
-    transform = noise.add_gaussian_noise(1.0, jax.random.key(0))
+    transform = gaussian_noise.add_gaussian_noise(1.0, jax.random.key(0))
     tree = {"a": jnp.zeros(1000), "b": jnp.zeros(1000)}
     first, _ = transform.update(tree, transform.init(tree))
     second, _ = transform.update(tree, transform.init(tree))
@@ -52,7 +52,7 @@ def test_dp_sgd_step_is_noisy_sum_over_expected_batch_then_optimizer():
     )
     total, _ = grad_sum(params, batch, mask)
     _, noise_key = jax.random.split(key)
-    expected_noise = noise.gaussian_noise_tree(noise_key, total, 2.0 * 0.5)
+    expected_noise = gaussian_noise.gaussian_noise_tree(noise_key, total, 2.0 * 0.5)
     expected = params - 0.1 * (total + expected_noise) / 10.0
     np.testing.assert_allclose(new_params, expected, rtol=1e-6)
 
@@ -66,7 +66,7 @@ def test_bfloat16_updates_are_noised_and_divided_in_float32_then_cast_last():
     total = jax.random.normal(jax.random.key(6), (4000,), jnp.float32) * 3.0
     updates, _ = optimizer.update(total.astype(jnp.bfloat16), optimizer.init(params), params)
     _, noise_key = jax.random.split(key)
-    noisy_sum = total.astype(jnp.bfloat16).astype(jnp.float32) + noise.gaussian_noise_tree(
+    noisy_sum = total.astype(jnp.bfloat16).astype(jnp.float32) + gaussian_noise.gaussian_noise_tree(
         noise_key, params, 2.0 * 0.5
     )
     assert noisy_sum.dtype == jnp.float32

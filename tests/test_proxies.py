@@ -8,7 +8,7 @@ import scipy.special
 from flax import nnx
 
 from dpmix_jax.models import gpt2
-from dpmix_jax.train import engine, losses, proxies
+from dpmix_jax.train import TrainConfig, engine, losses, proxies
 
 
 class Heads(nnx.Module):
@@ -54,9 +54,7 @@ def test_train_image_proxy_and_outputs_on_sensitive_split(tmp_path):
             "target": labels[rows, 0] * keep,  # the sensitive task's binary target
         }
 
-    config = engine.TrainConfig(
-        steps=80, batch_size=32, learning_rate=0.1, progress=False, log_every=None
-    )
+    config = TrainConfig(steps=80, batch_size=32, learning_rate=0.1, progress=False, log_every=None)
     model = Heads(5, 3, nnx.Rngs(0))
     full = jax.tree.map(jnp.asarray, gather(np.arange(200)))
     bce = losses.sigmoid_bce(target_key="labels")
@@ -83,7 +81,7 @@ def test_train_image_proxy_and_outputs_on_sensitive_split(tmp_path):
         proxies.train_image_proxy(
             model,
             None,
-            engine.TrainConfig(
+            TrainConfig(
                 steps=1,
                 batch_size=2,
                 learning_rate=0.1,

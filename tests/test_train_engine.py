@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from dpmix_jax.models import gpt2
-from dpmix_jax.privacy import noise
+from dpmix_jax.privacy import gaussian_noise
 from dpmix_jax.privacy.clipping import clip_to_norm
-from dpmix_jax.train import engine, losses, pretrain
+from dpmix_jax.train import TrainConfig, engine, losses, pretrain
 
 
 class MLP(nnx.Module):
@@ -57,7 +57,7 @@ def private_config(**kw):
         progress=False,
         log_every=None,
     )
-    return engine.TrainConfig(**{**base, **kw})
+    return TrainConfig(**{**base, **kw})
 
 
 def make_trainer(config, model=None, **kw):
@@ -94,14 +94,14 @@ def naive_clipped_sum(trainer, params, indices, clip):
 )
 def test_config_rejects_bad_settings(kw):
     with pytest.raises(ValueError):
-        engine.TrainConfig(**{"steps": 3, "batch_size": 4, "learning_rate": 0.1, **kw})
+        TrainConfig(**{"steps": 3, "batch_size": 4, "learning_rate": 0.1, **kw})
 
 
 def test_batchnorm_in_private_step_is_a_clear_error():
     with pytest.raises(ValueError, match="BatchNorm"):
         make_trainer(private_config(), MLP(4, 3, nnx.Rngs(0), batchnorm=True))
     # Public training of the same model is allowed.
-    public = engine.TrainConfig(steps=1, batch_size=4, learning_rate=0.1, progress=False)
+    public = TrainConfig(steps=1, batch_size=4, learning_rate=0.1, progress=False)
     engine.Trainer(public, MLP(4, 3, nnx.Rngs(0), batchnorm=True), LOSS)
 
 
@@ -151,7 +151,7 @@ def test_bfloat16_update_comes_from_a_float32_noisy_sum_cast_last(chunk_size):
     assert {v.dtype for v in total.values()} == {jnp.dtype(jnp.float32)}  # the accumulator
     stepped = trainer.noisy_step(trainer.init_state(), gather, indices, mask)
     _, noise_key = jax.random.split(jax.random.key(1))  # make_trainer's key
-    noisy = optax.tree.add(total, noise.gaussian_noise_tree(noise_key, total, 1.0 * 0.3))
+    noisy = optax.tree.add(total, gaussian_noise.gaussian_noise_tree(noise_key, total, 1.0 * 0.3))
     scale = 1 / trainer.plan.expected_batch_size
     for k, value in stepped.params.items():
         assert value.dtype == jnp.bfloat16
@@ -216,7 +216,7 @@ def test_non_finite_parameters_stop_a_run_without_log_steps_within_a_few_steps(p
     if private:
         trainer = make_trainer(private_config(steps=40, optimizer="adam", learning_rate=1e38))
     else:
-        config = engine.TrainConfig(
+        config = TrainConfig(
             steps=40, batch_size=12, learning_rate=1e38, progress=False, log_every=None
         )
         trainer = engine.Trainer(config, MLP(4, 3, nnx.Rngs(0)), LOSS)
@@ -228,9 +228,7 @@ def test_non_finite_parameters_stop_a_run_without_log_steps_within_a_few_steps(p
 
 
 def test_public_training_reduces_loss():
-    config = engine.TrainConfig(
-        steps=60, batch_size=20, learning_rate=0.05, progress=False, log_every=10
-    )
+    config = TrainConfig(steps=60, batch_size=20, learning_rate=0.05, progress=False, log_every=10)
     trainer = engine.Trainer(config, MLP(4, 3, nnx.Rngs(0)), LOSS)
     full = jax.tree.map(jnp.asarray, gather(np.arange(60)))
     before = float(jnp.mean(LOSS(MLP(4, 3, nnx.Rngs(0)), full)))

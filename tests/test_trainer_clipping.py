@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, gpt2
-from dpmix_jax.train import engine, losses
+from dpmix_jax.train import TrainConfig, engine, losses
 
 RS = np.random.default_rng(0)
 IMAGES = RS.normal(size=(24, 8, 8, 3)).astype(np.float32)
@@ -60,7 +60,7 @@ CASES = {
 def trainer(case, clipping, level, partial):
     make_model, loss, _, mask_fn = CASES[case]
     model = make_model()
-    config = engine.TrainConfig(
+    config = TrainConfig(
         steps=2, batch_size=6, learning_rate=0.1, optimizer="sgd", private=True,
         clip_norm=0.05, delta=1e-5, noise_multiplier=1.0, pad_multiple=4, progress=False,
         log_every=None, clipping=clipping, level=level,
@@ -107,7 +107,7 @@ def test_ghost_and_vmap_clipped_sums_are_identical(case, level, partial):
 def test_auto_falls_back_to_vmap_and_ghost_refuses_unsupported_layers():
     def ws_trainer(clipping):
         model = ResNet(ResNetConfig.tiny(weight_standardization=True), 3, rngs=nnx.Rngs(0))
-        config = engine.TrainConfig(
+        config = TrainConfig(
             steps=1, batch_size=4, learning_rate=0.1, private=True, clip_norm=1.0, delta=1e-5,
             noise_multiplier=1.0, progress=False, clipping=clipping,
         )  # fmt: skip
@@ -120,9 +120,9 @@ def test_auto_falls_back_to_vmap_and_ghost_refuses_unsupported_layers():
     with pytest.raises(ValueError, match="weight-standardised"):
         ws_trainer("ghost")
     with pytest.raises(ValueError, match="clipping must be"):
-        engine.TrainConfig(steps=1, batch_size=1, learning_rate=0.1, clipping="hooks")
+        TrainConfig(steps=1, batch_size=1, learning_rate=0.1, clipping="hooks")
     with pytest.raises(ValueError, match="microbatch_size"):
-        engine.TrainConfig(
+        TrainConfig(
             steps=1, batch_size=4, learning_rate=0.1, private=True, clip_norm=1.0, delta=1e-5,
             noise_multiplier=1.0, clipping="ghost", microbatch_size=2, pad_multiple=4,
         )  # fmt: skip

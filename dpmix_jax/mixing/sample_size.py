@@ -37,7 +37,7 @@ import dataclasses
 import math
 from typing import Literal
 
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 
 Regime = Literal["statistics", "privacy"]
 
@@ -94,12 +94,12 @@ def excess_loss_bound(
     Raises:
         ValueError: naming the first invalid argument.
     """
-    num_units = accounting.check_positive(num_units, "num_units")
+    num_units = validation.check_positive(num_units, "num_units")
     k = _check_sources(k)
-    epsilon = accounting.check_epsilon(epsilon)
-    delta = accounting.check_delta(delta)
-    loss_scale = accounting.check_positive(loss_scale, "loss_scale")
-    clip_norm = accounting.check_positive(clip_norm, "clip_norm")
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    loss_scale = validation.check_positive(loss_scale, "loss_scale")
+    clip_norm = validation.check_positive(clip_norm, "clip_norm")
     log_k = math.log(k)
     return BoundTerms(
         num_units=num_units,
@@ -112,9 +112,9 @@ def crossover_units(
     *, epsilon: float, delta: float, loss_scale: float = 1.0, clip_norm: float = 1.0
 ) -> float:
     """n× = (C/B)² · log(1/δ) / ε², where the two terms are equal (independent of k)."""
-    epsilon = accounting.check_epsilon(epsilon)
-    delta = accounting.check_delta(delta)
-    ratio = accounting.check_positive(clip_norm, "clip_norm") / accounting.check_positive(
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    ratio = validation.check_positive(clip_norm, "clip_norm") / validation.check_positive(
         loss_scale, "loss_scale"
     )
     return ratio**2 * math.log(1 / delta) / epsilon**2
@@ -154,7 +154,7 @@ class MixtureSizeGuide:
             ValueError: if `total_units` is not positive or is smaller than `num_units` (then
                 no ρ < 1 reaches α: a larger α, ε or data set is needed).
         """
-        total_units = accounting.check_steps(total_units, "total_units")
+        total_units = validation.check_steps(total_units, "total_units")
         if total_units < self.num_units:
             raise ValueError(
                 f"total_units = {total_units} is below the {self.num_units} units needed for "
@@ -189,11 +189,11 @@ def sufficient_mixture_size(
         ValueError: naming the first invalid argument.
     """
     k = _check_sources(k)
-    alpha = accounting.check_positive(alpha, "alpha")
-    epsilon = accounting.check_epsilon(epsilon)
-    delta = accounting.check_delta(delta)
-    loss_scale = accounting.check_positive(loss_scale, "loss_scale")
-    clip_norm = accounting.check_positive(clip_norm, "clip_norm")
+    alpha = validation.check_positive(alpha, "alpha")
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    loss_scale = validation.check_positive(loss_scale, "loss_scale")
+    clip_norm = validation.check_positive(clip_norm, "clip_norm")
     a = loss_scale * math.sqrt(math.log(k))
     b = clip_norm * math.sqrt(math.log(k) * math.log(1 / delta)) / epsilon
     u = 2 * alpha / (a + math.sqrt(a * a + 4 * b * alpha))

@@ -39,10 +39,11 @@ from dpmix_jax.privacy import (
     clipping,
     correlated_noise,
     cyclic_sampling,
-    noise,
+    gaussian_noise,
     plan,
     randomness,
     sampling,
+    validation,
 )
 from dpmix_jax.privacy.adaptive_clipping import (
     AdaptiveClipping,
@@ -102,8 +103,8 @@ def mixmin(
     bound; releasing its output on sensitive data is not DP.
     """
     examples = objectives.prepare_examples(preds, kind=kind, targets=targets, lengths=lengths)
-    steps = accounting.check_steps(steps)
-    learning_rate = accounting.check_positive(learning_rate, "learning_rate")
+    steps = validation.check_steps(steps)
+    learning_rate = validation.check_positive(learning_rate, "learning_rate")
     return _exponentiated_gradient(examples, learning_rate, kind=kind, steps=steps)
 
 
@@ -185,7 +186,8 @@ def _run_private(
     """Scans `update(state, noisy_sum, t)` over the batches; t = 1..T.
 
     `batches`/`masks` are `(T, B)` for example level, `(T, U, G)` for user level. Step t's
-    Gaussian draw is `noise.gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`;
+    Gaussian draw is `gaussian_noise_tree(jax.random.split(key, T)[t - 1], sum, σ·C)`
+    (`privacy.gaussian_noise`);
     the noise added is that draw correlated by the banded `strategy` coefficients
     (`correlated_noise.correlate`; (1.0,) adds the draw itself). With `adaptive_clipping` (C is
     then C_0; independent noise only): step t's key is split into the sum's and the count's
@@ -212,7 +214,7 @@ def _run_private(
             state, past_noise = carry
             t, indices, mask, step_key = xs
             total, _ = grad_sum(to_weights(state), _gather(examples, indices), mask)
-            draw = noise.gaussian_noise_tree(step_key, total, stddev)
+            draw = gaussian_noise.gaussian_noise_tree(step_key, total, stddev)
             step_noise, past_noise = correlated_noise.correlate(draw, past_noise, banded)
             state = update(state, total + step_noise, t)
             return (state, past_noise), to_weights(state)
@@ -224,15 +226,14 @@ def _run_private(
     if len(strategy) != 1:
         raise ValueError("adaptive clipping runs with independent noise (strategy (1.0,)) only.")
     sigma_b = adaptive_clipping.count_stddev(expected_batch_size, noise_multiplier)
-    sigma = jnp.asarray(noise_multiplier, jnp.float32)  # traced: σ_Δ as in split_noise_multiplier
-    sigma_delta = jnp.where(sigma > 0, jax.lax.rsqrt(sigma**-2 - (2.0 * sigma_b) ** -2.0), 0.0)
+    sigma_delta = adaptive_clipping.gradient_noise_multiplier(noise_multiplier, expected_batch_size)
 
     def adaptive_body(carry, xs):
         state, clip_t = carry
         t, indices, mask, step_key = xs
         noise_key, count_key = jax.random.split(step_key)
         total, stats = grad_sum(to_weights(state), _gather(examples, indices), mask, clip_t)
-        noisy = total + noise.gaussian_noise_tree(noise_key, total, sigma_delta * clip_t)
+        noisy = total + gaussian_noise.gaussian_noise_tree(noise_key, total, sigma_delta * clip_t)
         count_noise = sigma_b * randomness.normal(count_key, 1)[0]
         count = centred_count(stats["unclipped"], mask) + count_noise
         clip_t = adaptive_clipping.next_clip_norm(clip_t, 0.5 + count / expected_batch_size)
@@ -559,7 +560,7 @@ def dp_mixmin(
     if solver == "mirror_descent":
         if learning_rate is None:
             raise ValueError("mirror_descent needs a learning_rate.")
-        learning_rate = accounting.check_positive(learning_rate, "learning_rate")
+        learning_rate = validation.check_positive(learning_rate, "learning_rate")
     elif learning_rate is not None:
         raise ValueError("frank_wolfe uses step sizes 2/(t+2); learning_rate must be None.")
     if (epsilon is None) == (noise_multiplier is None):

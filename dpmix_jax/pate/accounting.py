@@ -33,7 +33,7 @@ import numpy as np
 from scipy import special, stats
 
 from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import discrete_noise
+from dpmix_jax.privacy import discrete_noise, validation
 
 __all__ = [
     "DEFAULT_ORDERS",
@@ -64,7 +64,7 @@ def dpargmax_laplace_event(epsilon: float) -> dp_accounting.DpEvent:
 
     Noise multiplier (2/ε)/2 = 1/ε, so the event is exactly ε-DP.
     """
-    epsilon = privacy.check_epsilon(epsilon)
+    epsilon = validation.check_epsilon(epsilon)
     return dp_accounting.LaplaceDpEvent(1.0 / epsilon)
 
 
@@ -74,8 +74,8 @@ def confident_gnmax_event(sigma1: float, sigma2: float) -> dp_accounting.DpEvent
     Threshold check on max_j c_j (sensitivity 1): `GaussianDpEvent(σ1)`; noisy argmax over c
     (L2 sensitivity √2): `GaussianDpEvent(σ2/√2)`.
     """
-    sigma1 = privacy.check_positive(sigma1, "sigma1")
-    sigma2 = privacy.check_positive(sigma2, "sigma2")
+    sigma1 = validation.check_positive(sigma1, "sigma1")
+    sigma2 = validation.check_positive(sigma2, "sigma2")
     return dp_accounting.ComposedDpEvent(
         [
             dp_accounting.GaussianDpEvent(sigma1),
@@ -93,13 +93,13 @@ def dpws_event(epsilon: float) -> dp_accounting.DpEvent:
     dominated by that Laplace mechanism. By a union bound over the calls, k adaptive calls are
     (ε_k, δ' + k·δ)-DP, where ε_k is the Laplace composition's ε at δ'.
     """
-    return dp_accounting.LaplaceDpEvent(1.0 / privacy.check_epsilon(epsilon))
+    return dp_accounting.LaplaceDpEvent(1.0 / validation.check_epsilon(epsilon))
 
 
 def discrete_laplace_scale(epsilon: float) -> fractions.Fraction:
     """The discrete Laplace scale 2/ε of DPARGMAX and DPWS, as the exact Fraction of the float
     2/ε: the noise is drawn (`privacy.discrete_noise.discrete_laplace`) and accounted at it."""
-    return discrete_noise.as_fraction(2.0 / privacy.check_epsilon(epsilon), "2/epsilon")
+    return discrete_noise.as_fraction(2.0 / validation.check_epsilon(epsilon), "2/epsilon")
 
 
 def dpargmax_discrete_laplace_event(epsilon: float) -> dp_accounting.DpEvent:
@@ -126,8 +126,8 @@ def confident_gnmax_discrete_event(sigma1: float, sigma2: float) -> dp_accountin
     (`PateLedger` switches to it); σi² are the exact Fractions of `sigma_i**2`, as sampled. The
     tighter PLD value of the same calls is `confident_gnmax_discrete_epsilon`.
     """
-    sigma1 = privacy.check_positive(sigma1, "sigma1")
-    sigma2 = privacy.check_positive(sigma2, "sigma2")
+    sigma1 = validation.check_positive(sigma1, "sigma1")
+    sigma2 = validation.check_positive(sigma2, "sigma2")
     return dp_accounting.ComposedDpEvent(
         [
             dp_accounting.ZCDpEvent(discrete_noise.discrete_gaussian_rho(sigma1**2, (1,))),
@@ -146,10 +146,10 @@ def confident_gnmax_discrete_epsilon(
     Gaussian privacy loss distributions (`privacy.discrete_noise.discrete_gaussian_pld`). σ1²
     and σ2² are the exact Fractions of the floats `sigma1**2`, `sigma2**2`, as sampled.
     """
-    sigma1 = privacy.check_positive(sigma1, "sigma1")
-    sigma2 = privacy.check_positive(sigma2, "sigma2")
-    delta = privacy.check_delta(delta)
-    steps = privacy.check_steps(steps)
+    sigma1 = validation.check_positive(sigma1, "sigma1")
+    sigma2 = validation.check_positive(sigma2, "sigma2")
+    delta = validation.check_delta(delta)
+    steps = validation.check_steps(steps)
     check = discrete_noise.discrete_gaussian_pld(sigma1**2, (1,))
     argmax = discrete_noise.discrete_gaussian_pld(sigma2**2, (1, 1))
     pld = check.compose(argmax)
@@ -161,7 +161,7 @@ def confident_gnmax_discrete_epsilon(
 def epsilon_of_steps(event: dp_accounting.DpEvent, *, steps: int, delta: float) -> float:
     """ε at `delta` of `steps` adaptive repetitions of `event` (dp-accounting PLD)."""
     ledger = privacy.PrivacyLedger()
-    ledger.record(event, privacy.check_steps(steps))
+    ledger.record(event, validation.check_steps(steps))
     return ledger.epsilon(delta)
 
 
@@ -173,8 +173,8 @@ def max_steps(
     Bisection over `epsilon_of_steps` (ε grows with the count); 0 when one repetition already
     exceeds `epsilon`, `limit` when `limit` repetitions do not.
     """
-    epsilon = privacy.check_epsilon(epsilon)
-    limit = privacy.check_steps(limit, "limit")
+    epsilon = validation.check_epsilon(epsilon)
+    limit = validation.check_steps(limit, "limit")
 
     def fits(steps: int) -> bool:
         return epsilon_of_steps(event, steps=steps, delta=delta) <= epsilon
@@ -238,14 +238,14 @@ class PateLedger:
 
         Privacy: a total δ >= 1/n allows publishing one of the n units in the clear.
         """
-        delta = privacy.check_delta(delta)
+        delta = validation.check_delta(delta)
         zcdp = any(_contains_zcdp(event) for event, _ in self.events.entries)
         eps = self.events.epsilon(delta, "rdp" if zcdp else "pld") if self.events.entries else 0.0
         total = delta + self.extra_delta
         if total >= 1:
             raise ValueError(f"the accumulated δ ({total}) is >= 1: no guarantee.")
         if num_units is not None:
-            privacy.check_delta_for_units(
+            validation.check_delta_for_units(
                 total,
                 num_units,
                 unit=unit,
@@ -360,7 +360,7 @@ def rdp_to_epsilon(rdp: np.ndarray, orders: np.ndarray, delta: float) -> tuple[f
     which publishes R̃ + ρ + ln(1/δ)/(λ-1) as PATE 2018 does) use one conversion; it is never
     below dp_accounting's conversion of the same curve (tests check both).
     """
-    delta = privacy.check_delta(delta)
+    delta = validation.check_delta(delta)
     eps = np.asarray(rdp) + math.log(1 / delta) / (np.asarray(orders) - 1)
     best = int(np.argmin(eps))
     return float(eps[best]), float(np.asarray(orders)[best])
@@ -419,7 +419,7 @@ def confident_gnmax_report(
         raise ValueError(
             f"need histograms (Q, V) and answered (Q,), got {histograms.shape}, {answered.shape}."
         )
-    queries = privacy.check_steps(histograms.shape[0], "number of queries")
+    queries = validation.check_steps(histograms.shape[0], "number of queries")
     orders = np.asarray(orders, dtype=float)
     rdp = np.zeros_like(orders)
     for counts, was_answered in zip(histograms, answered, strict=True):

@@ -38,7 +38,7 @@ from flax import nnx
 
 from dpmix_jax.models import lora
 from dpmix_jax.models.gpt2 import GPT2
-from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import validation
 
 __all__ = ["FineTunedTeachers", "TeacherTuning", "finetune_teachers"]
 
@@ -68,7 +68,7 @@ class TeacherTuning:
         if not isinstance(self.lora, lora.LoraConfig):
             raise ValueError(f"lora must be a LoraConfig, got {type(self.lora).__name__}.")
         for name in ("last_blocks", "steps", "chunk"):
-            privacy.check_steps(getattr(self, name), name)
+            validation.check_steps(getattr(self, name), name)
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
 

@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax.pate import accounting, aggregators, samplers, smooth_sensitivity
-from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import discrete_noise, randomness
+from dpmix_jax.privacy import discrete_noise, randomness, validation
 
 __all__ = [
     "GenerationConfig",
@@ -123,18 +122,18 @@ class GenerationConfig:
                 "aggregator must be 'dpws', 'dpargmax_laplace' or 'confident_gnmax', "
                 f"got {self.aggregator!r}."
             )
-        privacy.check_positive(self.temperature, "temperature")
-        privacy.check_epsilon(self.epsilon)
-        privacy.check_delta(self.delta)
-        privacy.check_delta(self.report_delta, "report_delta")
-        privacy.check_positive(self.gamma, "gamma")
-        privacy.check_positive(self.sigma1, "sigma1")
-        privacy.check_positive(self.sigma2, "sigma2")
+        validation.check_positive(self.temperature, "temperature")
+        validation.check_epsilon(self.epsilon)
+        validation.check_delta(self.delta)
+        validation.check_delta(self.report_delta, "report_delta")
+        validation.check_positive(self.gamma, "gamma")
+        validation.check_positive(self.sigma1, "sigma1")
+        validation.check_positive(self.sigma2, "sigma2")
         if self.threshold < 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold!r}.")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries!r}.")
-        privacy.check_steps(self.max_new_tokens, "max_new_tokens")
+        validation.check_steps(self.max_new_tokens, "max_new_tokens")
         if self.top_k is not None and self.sampler != "coordinated":
             raise ValueError("top_k applies to the coordinated sampler only.")
         if self.release_order is not None:
@@ -148,7 +147,7 @@ class GenerationConfig:
                 raise ValueError(
                     f"release_beta must be in (0, 1/(2·release_order)), got {self.release_beta!r}."
                 )
-        privacy.check_positive(self.release_noise_multiplier, "release_noise_multiplier")
+        validation.check_positive(self.release_noise_multiplier, "release_noise_multiplier")
         if self.noise not in ("continuous", "discrete"):
             raise ValueError(f"noise must be 'continuous' or 'discrete', got {self.noise!r}.")
         if self.noise == "discrete" and self.aggregator == "confident_gnmax":
@@ -333,7 +332,7 @@ def generate(
     step = make_step(config)
     event, call_delta = config.charge()
     most_calls = config.max_new_tokens * (config.max_retries + 1)
-    privacy.check_delta_for_units(
+    validation.check_delta_for_units(
         config.report_delta + ledger.extra_delta + most_calls * call_delta,
         teachers.num_teachers,
         unit="teachers (each holds at least one sensitive unit)",

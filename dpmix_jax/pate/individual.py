@@ -86,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax.pate import samplers
-from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import validation
 
 __all__ = [
     "IndividualConfig",
@@ -117,11 +117,11 @@ def rdp_epsilon(sigma: float, count: int, delta: float) -> float:
         count: number of compositions (>= 0).
         delta: the target δ, in (0, 1).
     """
-    sigma = privacy.check_positive(sigma, "sigma")
-    delta = privacy.check_delta(delta)
+    sigma = validation.check_positive(sigma, "sigma")
+    delta = validation.check_delta(delta)
     if count == 0:
         return 0.0
-    count = privacy.check_steps(count, "count")
+    count = validation.check_steps(count, "count")
     accountant = dp_accounting.rdp.RdpAccountant(
         neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     )
@@ -143,9 +143,9 @@ def budget_per_teacher(sigma: float, epsilon: float, delta: float) -> int:
         epsilon: the per-teacher target ε (> 0).
         delta: the per-teacher target δ, in (0, 1).
     """
-    sigma = privacy.check_positive(sigma, "sigma")
-    epsilon = privacy.check_epsilon(epsilon)
-    delta = privacy.check_delta(delta)
+    sigma = validation.check_positive(sigma, "sigma")
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
 
     def fits(count: int) -> bool:
         return rdp_epsilon(sigma, count, delta) <= epsilon
@@ -173,9 +173,9 @@ def sigma_for_steps(steps: int, epsilon: float, delta: float) -> float:
         epsilon: the target ε (> 0).
         delta: the target δ, in (0, 1).
     """
-    steps = privacy.check_steps(steps)
-    epsilon = privacy.check_epsilon(epsilon)
-    delta = privacy.check_delta(delta)
+    steps = validation.check_steps(steps)
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
     low, high = 1e-3, 1.0
     while rdp_epsilon(high, steps, delta) > epsilon:
         low, high = high, 2 * high
@@ -195,8 +195,8 @@ def threshold_for(sigma: float, vocab_size: int, eta: float) -> float:
         vocab_size: V (>= 1).
         eta: the allowed probability, in (0, 1).
     """
-    sigma = privacy.check_positive(sigma, "sigma")
-    vocab_size = privacy.check_steps(vocab_size, "vocab_size")
+    sigma = validation.check_positive(sigma, "sigma")
+    vocab_size = validation.check_steps(vocab_size, "vocab_size")
     if not 0 < eta < 1:
         raise ValueError(f"eta must be in (0, 1), got {eta!r}.")
     return sigma * math.sqrt(2.0 * math.log(vocab_size / eta))
@@ -222,11 +222,11 @@ class IndividualConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        privacy.check_positive(self.sigma, "sigma")
-        privacy.check_positive(self.threshold, "threshold")
-        privacy.check_epsilon(self.epsilon)
-        privacy.check_delta(self.delta)
-        privacy.check_positive(self.temperature, "temperature")
+        validation.check_positive(self.sigma, "sigma")
+        validation.check_positive(self.threshold, "threshold")
+        validation.check_epsilon(self.epsilon)
+        validation.check_delta(self.delta)
+        validation.check_positive(self.temperature, "temperature")
         if self.budget < 1:
             raise ValueError(
                 f"sigma = {self.sigma!r} is too small for (epsilon, delta) = ({self.epsilon!r},"
@@ -396,7 +396,7 @@ class IndividualLedger:
 
     def __post_init__(self):
         if self.max_charges is not None:
-            self.max_charges = privacy.check_steps(self.max_charges, "max_charges")
+            self.max_charges = validation.check_steps(self.max_charges, "max_charges")
             if self.max_charges > self.config.budget:
                 raise ValueError(
                     f"max_charges = {self.max_charges} exceeds the budget"
@@ -410,7 +410,7 @@ class IndividualLedger:
     ) -> IndividualLedger:
         """A ledger of `num_teachers` teachers, none charged (M = `max_charges`, default
         `config.budget`)."""
-        num_teachers = privacy.check_steps(num_teachers, "num_teachers")
+        num_teachers = validation.check_steps(num_teachers, "num_teachers")
         return cls(config, np.zeros(num_teachers, np.int64), max_charges=max_charges)
 
     def record(self, charges, steps: int = 1) -> None:

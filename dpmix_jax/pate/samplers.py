@@ -77,8 +77,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
+from dpmix_jax.privacy import randomness, validation
 
 __all__ = [
     "Draw",
@@ -114,8 +113,8 @@ def _check_inputs(logits: jax.Array, num_histograms: int, temperature: float) ->
         shape = getattr(logits, "shape", None)
         raise ValueError(f"logits must have shape (n_teachers, vocab_size), got {shape}.")
     return (
-        privacy.check_steps(num_histograms, "num_histograms"),
-        privacy.check_positive(temperature, "temperature"),
+        validation.check_steps(num_histograms, "num_histograms"),
+        validation.check_positive(temperature, "temperature"),
     )
 
 
@@ -155,7 +154,7 @@ def _nan_in(x: jax.Array) -> jax.Array:
 
 
 def _check_batch(batch_size: int | None) -> int | None:
-    return None if batch_size is None else privacy.check_steps(batch_size, "batch_size")
+    return None if batch_size is None else validation.check_steps(batch_size, "batch_size")
 
 
 def _bincount(votes: jax.Array, vocab_size: int) -> jax.Array:
@@ -278,10 +277,10 @@ def coordinated_sampler(
 
     if top_k is None:
         return _counted(full)
-    top_k = privacy.check_steps(top_k, "top_k")
+    top_k = validation.check_steps(top_k, "top_k")
     if top_k >= vocab:
         raise ValueError(f"top_k must be an integer in [1, vocab_size = {vocab}), got {top_k}.")
-    fallback_rows = min(privacy.check_steps(fallback_rows, "fallback_rows"), logits.shape[0])
+    fallback_rows = min(validation.check_steps(fallback_rows, "fallback_rows"), logits.shape[0])
     prepared: list[Draw] = []
 
     def lazy_draw() -> Draw:
@@ -324,7 +323,7 @@ def _counted(draw: Draw) -> Draw:
     """`draw` with its `num_histograms` validated."""
 
     def checked(key, num_histograms):
-        return draw(key, privacy.check_steps(num_histograms, "num_histograms"))
+        return draw(key, validation.check_steps(num_histograms, "num_histograms"))
 
     return checked
 
@@ -754,7 +753,7 @@ def independent_sampler(
     local: list[jax.Array] = []
 
     def draw(key, num_histograms):
-        num_histograms = privacy.check_steps(num_histograms, "num_histograms")
+        num_histograms = validation.check_steps(num_histograms, "num_histograms")
         if num_histograms < _TABLE_MIN_HISTOGRAMS:  # each vote's block table, built on the fly
             return _independent_lazy(
                 key, logits, block_cdf, temperature, num_histograms, batch_size

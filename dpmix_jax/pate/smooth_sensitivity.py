@@ -49,8 +49,7 @@ import numpy as np
 from scipy import optimize, special, stats
 
 from dpmix_jax.pate import accounting
-from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
+from dpmix_jax.privacy import randomness, validation
 
 __all__ = [
     "ReleaseChoice",
@@ -218,7 +217,7 @@ def suggested_noise_multiplier(smooth_sens: float, order: float, beta: float | N
     """PATE's σ_s = (λ·e^{2β} / SS)^{1/3}, which minimises ρ + 2·SS·σ_s; call it with an SS from
     public or synthetic data, never the sensitive run's own."""
     beta = 0.49 / order if beta is None else beta
-    return (order * math.exp(2 * beta) / privacy.check_positive(smooth_sens, "smooth_sens")) ** (
+    return (order * math.exp(2 * beta) / validation.check_positive(smooth_sens, "smooth_sens")) ** (
         1 / 3
     )
 
@@ -287,11 +286,11 @@ def choose_release(
     Privacy:
         Reads no sensitive data.
     """
-    privacy.check_steps(num_queries, "num_queries")
-    privacy.check_steps(num_teachers, "num_teachers")
+    validation.check_steps(num_queries, "num_queries")
+    validation.check_steps(num_teachers, "num_teachers")
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}.")
-    privacy.check_delta(delta)
+    validation.check_delta(delta)
     if not 0.5 < agreement <= 1:
         raise ValueError(f"agreement must be in (0.5, 1], got {agreement!r}.")
     counts = np.zeros(num_classes)
@@ -398,9 +397,9 @@ def release_data_dependent_epsilon(
     order = float(order)
     beta = 0.49 / order if beta is None else float(beta)
     release_rdp = gnss_rdp(
-        beta, privacy.check_positive(noise_multiplier, "noise_multiplier"), order
+        beta, validation.check_positive(noise_multiplier, "noise_multiplier"), order
     )
-    privacy.check_delta(delta)
+    validation.check_delta(delta)
     rdp, ls = 0.0, 0.0
     for counts, was_answered in zip(histograms, answered, strict=True):
         rdp += _threshold_rdp(int(round(counts.max())), threshold, sigma1, order)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from dp_accounting import pld
 
 from dpmix_jax.pate import aggregators
-from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import validation
 
 __all__ = ["SELECTIONS", "GateState", "SparseConfig", "epsilon", "start", "step"]
 
@@ -69,9 +69,9 @@ class SparseConfig:
     select_delta: float | None = None
 
     def __post_init__(self):
-        privacy.check_steps(self.max_answers, "max_answers")
-        privacy.check_epsilon(self.gate_epsilon, "gate_epsilon")
-        privacy.check_epsilon(self.select_epsilon, "select_epsilon")
+        validation.check_steps(self.max_answers, "max_answers")
+        validation.check_epsilon(self.gate_epsilon, "gate_epsilon")
+        validation.check_epsilon(self.select_epsilon, "select_epsilon")
         if not 0 < self.threshold_share < 1:
             raise ValueError(f"threshold_share must be in (0, 1), got {self.threshold_share!r}.")
         if self.selection not in SELECTIONS:
@@ -79,7 +79,7 @@ class SparseConfig:
         if (self.selection == "weighted") != (self.select_delta is not None):
             raise ValueError("select_delta is needed by, and only by, selection='weighted'.")
         if self.select_delta is not None:
-            privacy.check_delta(self.select_delta, "select_delta")
+            validation.check_delta(self.select_delta, "select_delta")
 
     @property
     def threshold_scale(self) -> float:
@@ -150,7 +150,7 @@ def epsilon(config: SparseConfig, delta: float) -> float:
 
     For "weighted" selections `delta` includes their c·δ3, so it must exceed it.
     """
-    delta = privacy.check_delta(delta)
+    delta = validation.check_delta(delta)
     spent_delta = 0.0
     if config.selection == "weighted":
         spent_delta = config.max_answers * config.select_delta

@@ -50,7 +50,7 @@ from dpmix_jax.pate import (
     smooth_sensitivity,
 )
 from dpmix_jax.pate.finetuned import TeacherTuning
-from dpmix_jax.privacy import SEEDED_NOTE, randomness
+from dpmix_jax.privacy import SEEDED_NOTE, randomness, validation
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy.parts import assign_parts
 
@@ -312,12 +312,12 @@ def calibrated_config(
     """
     if aggregator not in AGGREGATORS:
         raise ValueError(f"aggregator must be one of {', '.join(AGGREGATORS)}, got {aggregator!r}")
-    epsilon = privacy.check_epsilon(epsilon)
-    delta = privacy.check_delta(delta)
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
     low, high = privacy.CALIBRATION_EPSILON_RANGE
     if not low <= epsilon <= high:
         raise ValueError(f"epsilon must be in [{low:g}, {high:g}], got {epsilon!r}")
-    num_calls = privacy.check_steps(num_calls, "num_calls")
+    num_calls = validation.check_steps(num_calls, "num_calls")
     fraction = _THRESHOLDS[aggregator] if threshold_fraction is None else threshold_fraction
     if not 0 <= fraction <= 1:
         raise ValueError(f"threshold_fraction must be in [0, 1], got {fraction!r}")
@@ -530,7 +530,7 @@ def _prepare_documents(
     """Checks the arguments and documents shared by every ensemble and tokenizes them: the
     public width (`budget`) a teacher's documents must fit next to the prompt and
     `max_new_tokens`, and every document within it (one line naming the first that is not)."""
-    privacy.check_steps(max_new_tokens, "max_new_tokens")
+    validation.check_steps(max_new_tokens, "max_new_tokens")
     if teachers not in TEACHER_KINDS:
         raise ValueError(f"teachers must be one of {', '.join(TEACHER_KINDS)}, got {teachers!r}")
     if tuning is not None and teachers != "fine_tuned":
@@ -802,10 +802,10 @@ def synthesize(
         (ε, δ) = the RDP of M compositions of the Gaussian mechanism with noise σ, fixed in
         advance; the realised charges are sensitive and are not in the result.
     """
-    epsilon = privacy.check_epsilon(epsilon)
-    delta = privacy.check_delta(delta)
-    privacy.check_steps(num_samples, "num_samples")
-    privacy.check_steps(max_new_tokens, "max_new_tokens")
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    validation.check_steps(num_samples, "num_samples")
+    validation.check_steps(max_new_tokens, "max_new_tokens")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     charges_per_teacher = check_individual_accounting(
@@ -864,7 +864,7 @@ def synthesize(
         teachers=teachers,
         tuning=tuning,
     )
-    privacy.check_delta_for_units(delta, num_teachers, unit="teachers")
+    validation.check_delta_for_units(delta, num_teachers, unit="teachers")
     if method in PEER_METHODS:
         return _synthesize_with_peer(
             ensemble,
@@ -1102,7 +1102,7 @@ def default_charges_per_teacher(num_samples: int, max_new_tokens: int) -> int:
     Privacy:
         Public: a function of public settings only.
     """
-    steps = privacy.check_steps(num_samples, "num_samples") * privacy.check_steps(
+    steps = validation.check_steps(num_samples, "num_samples") * validation.check_steps(
         max_new_tokens, "max_new_tokens"
     )
     return max(1, -(-steps // INDIVIDUAL_STEPS_PER_CHARGE))
@@ -1333,7 +1333,7 @@ def _synthesize_individual(
     if not low <= epsilon <= high:
         raise ValueError(f"epsilon must be in [{low:g}, {high:g}], got {epsilon!r}")
     n = ensemble.teachers.num_teachers
-    privacy.check_delta_for_units(delta, n, unit=f"teachers (one per {ensemble.unit[:-1]})")
+    validation.check_delta_for_units(delta, n, unit=f"teachers (one per {ensemble.unit[:-1]})")
     tokenizer = model.tokenizer
     vocab = int(model.model.config.vocab_size)
     config = _individual_config(

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from dpmix_jax.models.gpt2 import GPT2
-from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import validation
 from dpmix_jax.privacy.parts import UnitId, assign_parts
 
 __all__ = [
@@ -285,7 +285,7 @@ def sampled_logits(
     """
     if getattr(logits, "ndim", None) != 2:
         raise ValueError(f"logits must have shape (n, V), got {getattr(logits, 'shape', None)}.")
-    num_samples = privacy.check_steps(num_samples, "num_samples")
+    num_samples = validation.check_steps(num_samples, "num_samples")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}.")
     n, vocab = logits.shape

@@ -40,7 +40,7 @@ import dpmix_jax
 from dpmix_jax import interrupt, parallel
 from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
 from dpmix_jax.pipeline import folders
-from dpmix_jax.privacy import accounting, assign_parts, plan, randomness
+from dpmix_jax.privacy import accounting, assign_parts, plan, randomness, validation
 from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
 from dpmix_jax.train.checkpoint import json_checksum
@@ -105,11 +105,11 @@ class MixtureConfig:
     adaptive_clipping: AdaptiveClipping | None = None
 
     def __post_init__(self) -> None:
-        accounting.check_steps(self.steps)
+        validation.check_steps(self.steps)
         plan.check_noise_settings(self.noise, self.bands, self.steps)
-        accounting.check_steps(self.nonprivate_steps, "nonprivate_steps")
-        accounting.check_positive(self.batch_size, "batch_size")
-        accounting.check_positive(self.clip_norm, "clip_norm")
+        validation.check_steps(self.nonprivate_steps, "nonprivate_steps")
+        validation.check_positive(self.batch_size, "batch_size")
+        validation.check_positive(self.clip_norm, "clip_norm")
         if self.solver not in ("mirror_descent", "frank_wolfe"):
             raise ValueError(
                 f"solver must be 'mirror_descent' or 'frank_wolfe', got {self.solver!r}."
@@ -224,7 +224,7 @@ def stage_epsilons(
     by basic composition (the targets sum to ε); the reported end-to-end ε is the accountant's
     for the composition of the two stages' events (`end_to_end_budget`), at most ε.
     """
-    accounting.check_epsilon(epsilon)
+    validation.check_epsilon(epsilon)
     if composition == "parallel":
         return epsilon, epsilon
     if composition == "sequential":
@@ -702,7 +702,7 @@ class MixturePipeline(abc.ABC):
                     "recompute the run"
                 ) from err
         # A multi-process run: every process derives its streams from process 0's secret.
-        secret = f"{parallel.agree_int(int(secret or '0', 16)):032x}"
+        secret = f"{randomness.agree_secret(int(secret or '0', 16)):032x}"
         text = "/".join(str(n) for n in (secret, *names))
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:16], "little")
 
@@ -741,7 +741,7 @@ class MixturePipeline(abc.ABC):
         """
         unit_ids = np.asarray(self.split_unit_ids())
         for part, rows in zip(("D_mix", "D_ft"), self.split(seed), strict=True):
-            accounting.check_delta_for_units(
+            validation.check_delta_for_units(
                 self.config.delta,
                 len(np.unique(unit_ids[rows])),
                 unit=f"{self.unit_name} in {part}",
@@ -913,7 +913,7 @@ class MixturePipeline(abc.ABC):
         Privacy: the result's `spent` is the accountants' (ε, δ) for what ran, composed as
         configured; `private` is False for random search and non-private MixMin.
         """
-        accounting.check_epsilon(epsilon)
+        validation.check_epsilon(epsilon)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}.")
         self.check_delta(seed)

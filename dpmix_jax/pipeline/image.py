@@ -43,7 +43,7 @@ from dpmix_jax.data.sources import Source
 from dpmix_jax.models.mlp import MLP, MLPConfig
 from dpmix_jax.models.resnet import ResNet, ResNetConfig
 from dpmix_jax.pipeline import common
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.proxies import nll_matrix
 
@@ -156,7 +156,7 @@ class ImagePipelineConfig:
     max_images_per_patient: int | None = None
 
     def __post_init__(self) -> None:
-        accounting.check_delta(self.delta)
+        validation.check_delta(self.delta)
         common.check_allow_large_delta(self.allow_large_delta)
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")

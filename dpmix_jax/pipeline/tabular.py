@@ -41,7 +41,7 @@ from dpmix_jax.data.tabular import TabularTask
 from dpmix_jax.mixing import dp_mixmin
 from dpmix_jax.pipeline import common
 from dpmix_jax.pipeline.image import ModelSpec, row_digests
-from dpmix_jax.privacy import accounting, randomness
+from dpmix_jax.privacy import accounting, randomness, validation
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.proxies import nll_matrix
 
@@ -72,11 +72,11 @@ class DensityRatioConfig:
     max_log_ratio: float = 3.0
 
     def __post_init__(self) -> None:
-        accounting.check_steps(self.steps)
+        validation.check_steps(self.steps)
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size must be an integer >= 1, got {self.batch_size!r}.")
         for name in ("clip_norm", "learning_rate", "max_log_ratio"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,7 +118,7 @@ class TabularPipelineConfig:
     eval_batch_size: int = 512
 
     def __post_init__(self) -> None:
-        accounting.check_delta(self.delta)
+        validation.check_delta(self.delta)
         common.check_allow_large_delta(self.allow_large_delta)
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
@@ -474,7 +474,7 @@ class TabularPipeline(common.MixturePipeline):
         Privacy: the D_mix side (domain classifier and DP-MixMin, composed) and the fine-tuning
         on the disjoint D_ft each spend at most ε; `spent` is their parallel composition.
         """
-        accounting.check_epsilon(epsilon)
+        validation.check_epsilon(epsilon)
         self.check_delta(seed)
         name = f"run_{RATIO_METHOD}_parallel_eps{common.epsilon_name(epsilon)}"
 

@@ -62,7 +62,7 @@ from dpmix_jax.pipeline.text_data import (
     from_user_documents,
     require_paths,
 )
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.engine import TrainState, split_model
 from dpmix_jax.train.pretrain import PackedMixture
@@ -174,7 +174,7 @@ class TextPipelineConfig:
     eval_batch_size: int = 32
 
     def __post_init__(self) -> None:
-        accounting.check_delta(self.delta)
+        validation.check_delta(self.delta)
         common.check_allow_large_delta(self.allow_large_delta)
         if self.level not in ("user", "example"):
             raise ValueError(f"level must be 'user' or 'example', got {self.level!r}.")

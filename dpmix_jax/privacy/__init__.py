@@ -31,7 +31,8 @@ from dpmix_jax.privacy.correlated_noise import (
     amplified_bandmf_event,
     sqrt_prefix_sum,
 )
-from dpmix_jax.privacy.noise import add_gaussian_noise, make_dp_sgd_step, private_optimizer
+from dpmix_jax.privacy.gaussian_noise import add_gaussian_noise
+from dpmix_jax.privacy.noise import make_dp_sgd_step, private_optimizer
 from dpmix_jax.privacy.parts import assign_parts
 from dpmix_jax.privacy.plan import DpSgdConfig, DpSgdPlan, plan_dp_sgd
 from dpmix_jax.privacy.randomness import SEEDED_NOTE

@@ -18,7 +18,6 @@ import functools
 import json
 import logging
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,111 +26,22 @@ from dp_accounting import dp_event as dp_events
 from dp_accounting.pld import PLDAccountant
 from dp_accounting.rdp import RdpAccountant
 
+from dpmix_jax.privacy.validation import (
+    check_delta,
+    check_epsilon,
+    check_noise_multiplier,
+    check_positive,
+    check_sampling_rate,
+    check_steps,
+    is_real,
+)
+
 Accountant = Literal["pld", "rdp"]
 NeighboringRelation = dp_accounting.NeighboringRelation
 ADD_OR_REMOVE_ONE = NeighboringRelation.ADD_OR_REMOVE_ONE
 
 # PLD discretisation: 1e-4 reproduces dp_accounting's published numbers; PLD stays an upper bound.
 PLD_DISCRETIZATION = 1e-4
-
-
-# --------------------------------------------------------------------------------------------
-# Validation shared by every module that takes privacy parameters.
-# --------------------------------------------------------------------------------------------
-
-
-def check_epsilon(epsilon: float, name: str = "epsilon") -> float:
-    """Returns `epsilon` as a float, or raises ValueError if it is not a finite positive number."""
-    if not _is_real(epsilon) or not math.isfinite(epsilon) or epsilon <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {epsilon!r}.")
-    return float(epsilon)
-
-
-def check_delta(delta: float, name: str = "delta") -> float:
-    """Returns `delta` as a float, or raises ValueError unless 0 < delta < 1."""
-    if not _is_real(delta) or not 0 < delta < 1:
-        raise ValueError(f"{name} must be in the open interval (0, 1), got {delta!r}.")
-    return float(delta)
-
-
-def check_delta_for_units(
-    delta: float,
-    num_units: int,
-    *,
-    unit: str = "units",
-    name: str = "delta",
-    allow_large_delta: bool = False,
-) -> float:
-    """Returns `delta` as a float, or raises ValueError when it is at least 1/`num_units`.
-
-    Args:
-        delta: the δ a mechanism on `num_units` units is calibrated or reported at.
-        num_units: n, the units (examples, or users at user level) whose add/remove the
-            guarantee covers.
-        unit: what a unit is, for the message ("examples", "users", "records").
-        name: the argument's name, for the message.
-        allow_large_delta: accept δ >= 1/n (validity is still checked: 0 < δ < 1).
-
-    Raises:
-        ValueError: δ is not in (0, 1), or δ >= 1/n without `allow_large_delta`.
-
-    Privacy: a mechanism that publishes one of the n units, chosen at random, in the clear is
-    (0, 1/n)-DP; at δ >= 1/n an (ε, δ) guarantee allows that, so it protects nobody.
-    """
-    delta = check_delta(delta, name)
-    if not isinstance(num_units, numbers.Integral) or num_units < 1:
-        raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}.")
-    if not allow_large_delta and delta * num_units >= 1:
-        raise ValueError(
-            f"{name} = {delta:g} >= 1/n = {1 / num_units:.3g} for n = {num_units} {unit}: "
-            f"publishing one of the {unit}, drawn at random, in the clear meets that δ, so the "
-            f"guarantee means nothing; use {name} < 1/n (e.g. {_suggested_delta(num_units):.0e}),"
-            " or allow_large_delta=True to run anyway (the result records it)."
-        )
-    return delta
-
-
-def _suggested_delta(num_units: int) -> float:
-    """A power of ten at most 1/n^1.1: the usual δ << 1/n."""
-    return 10.0 ** math.floor(-1.1 * math.log10(num_units) - 1e-9)
-
-
-def check_sampling_rate(rate: float, name: str = "sampling_rate") -> float:
-    """Returns `rate` as a float, or raises ValueError unless 0 < rate <= 1."""
-    if not _is_real(rate) or not 0 < rate <= 1:
-        raise ValueError(f"{name} must be in (0, 1], got {rate!r}.")
-    return float(rate)
-
-
-def check_steps(steps: int, name: str = "steps") -> int:
-    """Returns `steps` as an int, or raises ValueError unless it is an integer >= 1 (a Python or
-    NumPy integer, or an integral float)."""
-    if not _is_real(steps) or not math.isfinite(steps) or steps != int(steps) or steps < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {steps!r}.")
-    return int(steps)
-
-
-def check_positive(value: float, name: str) -> float:
-    """Returns `value` as a float, or raises ValueError unless it is finite and > 0."""
-    if not _is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    return float(value)
-
-
-def check_noise_multiplier(noise_multiplier: float) -> float:
-    """Returns σ as a float, or raises ValueError unless finite and >= 0 (0 means no noise)."""
-    if not _is_real(noise_multiplier) or not math.isfinite(noise_multiplier):
-        raise ValueError(
-            f"noise_multiplier must be a finite number >= 0, got {noise_multiplier!r}."
-        )
-    if noise_multiplier < 0:
-        raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier!r}.")
-    return float(noise_multiplier)
-
-
-def _is_real(value: Any) -> bool:
-    """True for Python and NumPy ints and floats (np.float32(1.0), np.int64(5)), not for bools."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------------
@@ -502,9 +412,9 @@ class PrivacyBudget:
 
     def __post_init__(self) -> None:
         eps, delta = self.epsilon, self.delta
-        if not _is_real(eps) or math.isnan(eps) or eps < 0:
+        if not is_real(eps) or math.isnan(eps) or eps < 0:
             raise ValueError(f"PrivacyBudget.epsilon must be a number >= 0 or inf, got {eps!r}.")
-        if not _is_real(delta) or not 0 <= delta < 1:
+        if not is_real(delta) or not 0 <= delta < 1:
             raise ValueError(f"PrivacyBudget.delta must be in [0, 1), got {delta!r}.")
         object.__setattr__(self, "epsilon", float(eps))
         object.__setattr__(self, "delta", float(delta))

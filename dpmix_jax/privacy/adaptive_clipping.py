@@ -68,10 +68,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
 from dpmix_jax.privacy.clipping import ClippedGradSum
-from dpmix_jax.privacy.noise import fresh_secret_key, gaussian_noise_tree, mean_in_param_dtype
-from dpmix_jax.privacy.randomness import normal
+from dpmix_jax.privacy.gaussian_noise import gaussian_noise_tree
+from dpmix_jax.privacy.noise import mean_in_param_dtype
+from dpmix_jax.privacy.randomness import fresh_secret_key, normal
+from dpmix_jax.privacy.validation import check_noise_multiplier, check_positive
 
 PyTree = Any
 
@@ -146,7 +147,8 @@ def split_noise_multiplier(noise_multiplier: float, count_noise_stddev: float) -
     """σ_Δ = (σ⁻² - (2σ_b)⁻²)^(-1/2): the gradient sum's noise multiplier that, with N(0, σ_b²)
     on the centred count, makes the pair one Gaussian mechanism of multiplier σ.
 
-    σ = 0 (a no-noise control, ε infinite) gives σ_Δ = 0.
+    σ = 0 (a no-noise control, ε infinite) gives σ_Δ = 0. Either argument may be a traced
+    scalar (a jitted solver's σ): the same formula in float32, checked by the caller.
 
     Raises:
         ValueError: σ_b <= σ/2 (no σ_Δ exists: the count alone would spend the whole budget).
@@ -154,6 +156,12 @@ def split_noise_multiplier(noise_multiplier: float, count_noise_stddev: float) -
     Privacy: whitened, a unit moves (sum, centred count) by at most
     sqrt(σ_Δ⁻² + (2σ_b)⁻²) = 1/σ.
     """
+    if not (
+        isinstance(noise_multiplier, numbers.Real) and isinstance(count_noise_stddev, numbers.Real)
+    ):
+        sigma = jnp.asarray(noise_multiplier, jnp.float32)
+        inverse = sigma**-2 - (2.0 * jnp.asarray(count_noise_stddev, jnp.float32)) ** -2.0
+        return jnp.where(sigma > 0, jax.lax.rsqrt(inverse), 0.0)
     sigma = check_noise_multiplier(noise_multiplier)
     sigma_b = check_positive(count_noise_stddev, "count_noise_stddev")
     if sigma == 0:
@@ -213,7 +221,7 @@ def adaptive_gaussian_noise(
         initial_clip_norm: C_0 > 0.
         expected_batch_size: the public b = q·n.
         key: None (default): every `init` draws a new secret key; a given key replays its
-            stream (seeded, see `noise.add_gaussian_noise`).
+            stream (seeded, see `gaussian_noise.add_gaussian_noise`).
 
     Privacy: with σ_Δ = `config.gradient_noise_multiplier(σ, b)` one call is the Gaussian
     mechanism with noise multiplier σ on (sum, centred count) (see the module docstring), so a

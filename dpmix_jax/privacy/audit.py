@@ -41,7 +41,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from scipy import optimize, special, stats
 
-from dpmix_jax.privacy.accounting import check_delta, check_positive
+from dpmix_jax.privacy.validation import check_delta, check_positive
 
 Method = Literal["split", "bonferroni"]
 METHODS: tuple[str, ...] = ("split", "bonferroni")

@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from dpmix_jax.privacy import summation
-from dpmix_jax.privacy.accounting import ADD_OR_REMOVE_ONE, NeighboringRelation, check_positive
+from dpmix_jax.privacy.accounting import ADD_OR_REMOVE_ONE, NeighboringRelation
+from dpmix_jax.privacy.validation import check_positive
 
 PyTree = Any
 # loss_fn(params, example) -> scalar loss, or (scalar loss, aux) when has_aux.

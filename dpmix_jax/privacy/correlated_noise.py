@@ -44,9 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dpmix_jax.privacy import noise as independent_noise
-from dpmix_jax.privacy.accounting import check_steps, dpsgd_event
+from dpmix_jax.privacy import gaussian_noise
+from dpmix_jax.privacy.accounting import dpsgd_event
 from dpmix_jax.privacy.clipping import sum_dtype
+from dpmix_jax.privacy.randomness import fresh_secret_key
+from dpmix_jax.privacy.validation import check_steps
 
 PyTree = Any
 
@@ -203,9 +205,9 @@ def add_correlated_noise(
 ) -> optax.GradientTransformation:
     """Adds the correlated noise w_t = (z_t - Σ_{j>=1} c_j w_{t-j}) / c_0 of `strategy` (C⁻¹Z).
 
-    z_t is drawn exactly as `noise.add_gaussian_noise` draws its noise (the same key splitting
-    and `gaussian_noise_tree`), so one band with c_0 = 1 adds exactly the same noise. Updates
-    are promoted to float32 (or wider, `sum_dtype`) and the noise is added there.
+    z_t is drawn exactly as `gaussian_noise.add_gaussian_noise` draws its noise (the same key
+    splitting and `gaussian_noise_tree`), so one band with c_0 = 1 adds exactly the same noise.
+    Updates are promoted to float32 (or wider, `sum_dtype`) and the noise is added there.
 
     Args:
         stddev: the standard deviation of z_t (>= 0), σ·Δ for a sum of sensitivity Δ.
@@ -231,7 +233,7 @@ def add_correlated_noise(
             jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), sum_dtype(p.dtype)), params)
             for _ in rest
         )
-        run_key = independent_noise.fresh_secret_key() if key is None else key
+        run_key = fresh_secret_key() if key is None else key
         partition_key = jax.random.bits(
             jax.random.fold_in(run_key, _PARTITION_STREAM), (8,), jnp.uint32
         )
@@ -240,7 +242,7 @@ def add_correlated_noise(
     def update_fn(updates: PyTree, state: CorrelatedNoiseState, params: PyTree = None):
         del params
         next_key, noise_key = jax.random.split(state.key)
-        draw = independent_noise.gaussian_noise_tree(noise_key, updates, stddev)
+        draw = gaussian_noise.gaussian_noise_tree(noise_key, updates, stddev)
         noise, history = correlate(draw, state.history, strategy)
         wide = jax.tree.map(lambda u, n: u.astype(n.dtype), updates, noise)
         new_state = CorrelatedNoiseState(next_key, history, state.partition_key)

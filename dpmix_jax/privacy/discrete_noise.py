@@ -48,7 +48,7 @@ import numpy as np
 from dp_accounting import dp_event as dp_events
 from dp_accounting.pld import privacy_loss_distribution
 
-from dpmix_jax.privacy import accounting, randomness
+from dpmix_jax.privacy import accounting, randomness, validation
 
 __all__ = [
     "as_fraction",
@@ -379,7 +379,7 @@ def discrete_gaussian_pld(
     mechanisms `from_discrete_gaussian_mechanism(σ, |Δ_j|)` (pessimistic, an upper bound).
     """
     sigma = math.sqrt(float(as_fraction(sigma2, "sigma2")))
-    count = accounting.check_steps(count, "count")
+    count = validation.check_steps(count, "count")
     pld = None
     for delta_j in _check_sensitivities(sensitivities):
         part = privacy_loss_distribution.from_discrete_gaussian_mechanism(
@@ -397,7 +397,7 @@ def discrete_gaussian_epsilon(
     delta: float,
 ) -> float:
     """ε at `delta` of `count` calls of discrete Gaussian noise (`discrete_gaussian_pld`)."""
-    delta = accounting.check_delta(delta)
+    delta = validation.check_delta(delta)
     return float(
         discrete_gaussian_pld(sigma2, sensitivities, count=count).get_epsilon_for_delta(delta)
     )

@@ -78,7 +78,6 @@ import jax
 import jax.numpy as jnp
 
 from dpmix_jax.privacy import summation
-from dpmix_jax.privacy.accounting import check_positive
 from dpmix_jax.privacy.clipping import (
     UNIT_ROUNDOFF,
     ClippedGradSum,
@@ -89,6 +88,7 @@ from dpmix_jax.privacy.clipping import (
     sum_dtype,
     unclipped,
 )
+from dpmix_jax.privacy.validation import check_positive
 
 PyTree = Any
 ParamKey = Hashable

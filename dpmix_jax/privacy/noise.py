@@ -1,4 +1,4 @@
-"""Gaussian noise as an optax transformation, and the DP-SGD step built from it.
+"""The private optimizer (noise on the clipped sum, the public mean, an update) and the DP-SGD step.
 
 The private optimizer is `optax.chain(add_gaussian_noise(σ·Δ, key), mean_in_param_dtype(b),
 optimizer)`: noise on the clipped *sum* and division by the public expected batch size b, both in
@@ -26,90 +26,18 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from dpmix_jax import parallel
 from dpmix_jax.privacy import correlated_noise
-from dpmix_jax.privacy.accounting import check_noise_multiplier, check_positive
-from dpmix_jax.privacy.clipping import ClippedGradSum, sum_dtype
-from dpmix_jax.privacy.randomness import normal, prng_key, secret_seed
+from dpmix_jax.privacy.clipping import ClippedGradSum
+from dpmix_jax.privacy.gaussian_noise import add_gaussian_noise
+from dpmix_jax.privacy.validation import check_noise_multiplier, check_positive
 
 PyTree = Any
-
-
-class GaussianNoiseState(NamedTuple):
-    """The secret PRNG key that the next noise draw comes from."""
-
-    key: jax.Array
-
-
-def gaussian_noise_tree(key: jax.Array, like: PyTree, stddev: float) -> PyTree:
-    """A pytree shaped like `like` of independent N(0, stddev²) draws, each leaf in
-    `sum_dtype(leaf.dtype)` (float32 for bfloat16 leaves).
-
-    One flat draw covers every leaf: a draw per leaf would compile one random-number kernel per
-    parameter array (seconds for a GPT-2).
-    """
-    leaves, treedef = jax.tree.flatten(like)
-    sizes = [leaf.size for leaf in leaves]
-    flat = stddev * normal(key, sum(sizes))
-    parts = jnp.split(flat, np.cumsum(sizes)[:-1]) if leaves else []
-    noise = [
-        part.reshape(leaf.shape).astype(sum_dtype(leaf.dtype))
-        for part, leaf in zip(parts, leaves, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, noise)
-
-
-def fresh_secret_key() -> jax.Array:
-    """A new secret PRNG key from the operating system, the same on every process of the run.
-
-    A collective in a multi-process run (`parallel.agree_int`): every process must call it at the
-    same point.
-
-    Privacy: the root of one release's noise; never log it.
-    """
-    return prng_key(parallel.agree_int(secret_seed()))
-
-
-def add_gaussian_noise(stddev: float, key: jax.Array | None = None) -> optax.GradientTransformation:
-    """Adds N(0, stddev²) noise to every coordinate of the updates, with a fresh key each call.
-
-    The updates are promoted to float32 (or wider, `sum_dtype`) and the noise is added there;
-    the result stays in that dtype.
-
-    Args:
-        stddev: the noise standard deviation (>= 0).
-        key: None (default): every `init` draws a new secret key from the operating system
-            (`fresh_secret_key`), so two runs started from one transformation have independent
-            noise. A given key is a seeded, reproducible stream: every `init` starts it again,
-            the caller owns its freshness, and it is not private against anyone who knows the
-            seed. Call `init` outside `jax.jit` (a traced `init` would fix the key it drew).
-
-    Privacy: applied to a sum of L2 sensitivity Δ, stddev = σ·Δ gives the Gaussian mechanism with
-    noise multiplier σ (`accounting.dpsgd_event`).
-    """
-    stddev = float(stddev)
-    if not stddev >= 0:
-        raise ValueError(f"stddev must be >= 0, got {stddev!r}.")
-
-    def init_fn(params: PyTree) -> GaussianNoiseState:
-        del params
-        return GaussianNoiseState(fresh_secret_key() if key is None else key)
-
-    def update_fn(updates: PyTree, state: GaussianNoiseState, params: PyTree = None):
-        del params
-        next_key, noise_key = jax.random.split(state.key)
-        noise = gaussian_noise_tree(noise_key, updates, stddev)
-        wide = jax.tree.map(lambda u, n: u.astype(n.dtype), updates, noise)
-        return optax.tree.add(wide, noise), GaussianNoiseState(next_key)
-
-    return optax.GradientTransformation(init_fn, update_fn)
 
 
 def mean_in_param_dtype(expected_batch_size: float) -> optax.GradientTransformation:

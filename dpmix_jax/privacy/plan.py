@@ -22,7 +22,7 @@ from typing import Literal
 
 import dp_accounting
 
-from dpmix_jax.privacy import accounting, correlated_noise
+from dpmix_jax.privacy import accounting, correlated_noise, validation
 from dpmix_jax.privacy.cyclic_sampling import CyclicPoissonSampler, CyclicUserPoissonSampler
 from dpmix_jax.privacy.sampling import PoissonSampler, UserPoissonSampler
 
@@ -77,13 +77,13 @@ class DpSgdConfig:
                 f"noise_multiplier={self.noise_multiplier!r}."
             )
         if self.epsilon is not None:
-            accounting.check_epsilon(self.epsilon)
+            validation.check_epsilon(self.epsilon)
         if self.noise_multiplier is not None:
-            accounting.check_noise_multiplier(self.noise_multiplier)
-        accounting.check_delta(self.delta)
-        accounting.check_positive(self.clip_norm, "clip_norm")
-        accounting.check_positive(self.batch_size, "batch_size")
-        accounting.check_steps(self.steps)
+            validation.check_noise_multiplier(self.noise_multiplier)
+        validation.check_delta(self.delta)
+        validation.check_positive(self.clip_norm, "clip_norm")
+        validation.check_positive(self.batch_size, "batch_size")
+        validation.check_steps(self.steps)
         accounting.make_accountant(self.accountant)
         if not isinstance(self.allow_large_delta, bool):
             raise ValueError(
@@ -199,7 +199,7 @@ class DpSgdPlan:
         event = accounting.dpsgd_event(
             noise_multiplier=self.noise_multiplier,
             sampling_rate=self.sampling_rate,
-            steps=-(-accounting.check_steps(steps) // self.config.cycle),
+            steps=-(-validation.check_steps(steps) // self.config.cycle),
         )
         eps = accounting.epsilon(event, delta=self.config.delta, accountant=self.config.accountant)
         return accounting.PrivacyBudget(eps, self.config.delta)
@@ -224,7 +224,7 @@ def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
     if not isinstance(num_units, numbers.Integral) or num_units < 1:
         raise ValueError(f"num_units must be an integer >= 1, got {num_units!r}.")
     unit = "users" if config.user_level else "examples"
-    accounting.check_delta_for_units(
+    validation.check_delta_for_units(
         config.delta, int(num_units), unit=unit, allow_large_delta=config.allow_large_delta
     )
     per_cycle = config.batch_size * config.cycle

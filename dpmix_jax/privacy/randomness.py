@@ -10,6 +10,8 @@ API:
     SEEDED_NOTE                          the label of results that came from a seeded mechanism
     check_seed(seed, name="seed") -> int | None
     secret_seed() -> int                 128 bits from the operating system (never log it)
+    agree_secret(value) -> int           process 0's secret integer on every process of the run
+    fresh_secret_key() -> jax.Array      a secret key, the same on every process of the run
     resolve_seed(seed) -> (seed, seeded) the seed to use, and whether it was given
     prng_key(seed) -> jax.Array          a JAX key from an integer seed of any size
     unrolled(key) -> jax.Array           the same key with the threefry rounds written out (faster)
@@ -25,6 +27,7 @@ import jax
 import jax.extend.random
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 SEEDED_NOTE = "noise seeded: reproducible, not private against anyone who knows the seed"
 
@@ -48,6 +51,36 @@ def secret_seed() -> int:
     Privacy: the root of a private run's randomness; never log it or write it to results.
     """
     return secrets.randbits(128)
+
+
+def agree_secret(value: int) -> int:
+    """Process 0's non-negative integer (any size, e.g. a 128-bit secret seed) on every process.
+
+    A collective in a multi-process run: every process must call it at the same point.
+
+    Privacy: the secret stays inside the run's processes; never log it.
+    """
+    if jax.process_count() == 1:
+        return int(value)
+    words = []
+    while True:
+        words.append(value % _WORD)
+        value //= _WORD
+        if not value:
+            break
+    padded = np.asarray(words + [0] * (8 - len(words)), np.uint32)
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    return sum(int(w) << (32 * i) for i, w in enumerate(shared))
+
+
+def fresh_secret_key() -> jax.Array:
+    """A new secret PRNG key from the operating system, the same on every process of the run.
+
+    A collective in a multi-process run (`agree_secret`).
+
+    Privacy: the root of one release's noise; never log it.
+    """
+    return prng_key(agree_secret(secret_seed()))
 
 
 def resolve_seed(seed: int | None) -> tuple[int, bool]:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dpmix_jax.privacy.accounting import check_sampling_rate
+from dpmix_jax.privacy.validation import check_sampling_rate
 
 PADDING_INDEX = -1
 

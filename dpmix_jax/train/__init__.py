@@ -1,17 +1,10 @@
 """Training: the public/private engine, losses, pretraining on λ, proxies, evaluation,
 checkpoints. Composes `privacy` with models (NNX) and data (through `gather` callables)."""
 
-from dpmix_jax.train import checkpoint, engine, evaluate, losses, pretrain, proxies
+from dpmix_jax.train import checkpoint, config, engine, evaluate, losses, pretrain, proxies
 from dpmix_jax.train.checkpoint import Checkpointer
-from dpmix_jax.train.engine import (
-    FitResult,
-    IndexedData,
-    MetricLogger,
-    TrainConfig,
-    Trainer,
-    TrainState,
-    fit,
-)
+from dpmix_jax.train.config import TrainConfig
+from dpmix_jax.train.engine import FitResult, IndexedData, MetricLogger, Trainer, TrainState, fit
 
 __all__ = [
     "Checkpointer",
@@ -22,6 +15,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "checkpoint",
+    "config",
     "engine",
     "evaluate",
     "fit",

@@ -36,12 +36,13 @@ import scipy.special
 from flax import nnx
 
 from dpmix_jax.train import engine, evaluate, losses
+from dpmix_jax.train.config import TrainConfig
 
 Gather = Callable[[np.ndarray], losses.Batch]
 Kind = Literal["nll", "sequence"]
 
 
-def _check_public(config: engine.TrainConfig) -> None:
+def _check_public(config: TrainConfig) -> None:
     if config.private:
         raise ValueError("proxies are trained on public data: use a public TrainConfig.")
 
@@ -49,7 +50,7 @@ def _check_public(config: engine.TrainConfig) -> None:
 def train_image_proxy(
     model: nnx.Module,
     data: engine.IndexedData,
-    config: engine.TrainConfig,
+    config: TrainConfig,
     *,
     rng: np.random.Generator,
     input_key: str = "inputs",
@@ -70,7 +71,7 @@ def train_image_proxy(
 def train_lm_proxies(
     models: Sequence[nnx.Module],
     domains: Sequence[engine.IndexedData | engine.BatchFn],
-    config: engine.TrainConfig,
+    config: TrainConfig,
     *,
     rng: np.random.Generator,
     tokens_key: str = "tokens",

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.pipeline import ImagePipelineConfig, presets
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from experiments.configs.nih import paper_pipeline
 
 STUDIES = ("uniform", "rho", "proxy", "composition")
@@ -84,15 +84,15 @@ class AblationConfig:
     def __post_init__(self) -> None:
         if self.data not in ("digits", "chexpert"):
             raise ValueError(f"data must be 'digits' or 'chexpert', got {self.data!r}.")
-        accounting.check_steps(self.image_size, "image_size")
-        accounting.check_epsilon(self.epsilon)
+        validation.check_steps(self.image_size, "image_size")
+        validation.check_epsilon(self.epsilon)
         if not self.seeds or not self.mix_fractions or not self.proxy_steps:
             raise ValueError("seeds, mix_fractions and proxy_steps must be non-empty.")
         for rho in self.mix_fractions:
             if not 0 < rho < 1:
                 raise ValueError(f"mix_fractions must lie in (0, 1), got {rho!r}.")
         for steps in self.proxy_steps:
-            accounting.check_steps(steps, "proxy_steps")
+            validation.check_steps(steps, "proxy_steps")
 
     def mixture_batch_size(self, mix_fraction: float) -> float:
         """The expected mixture batch at ρ: the base batch scaled by ρ / ρ_0 (same rate); at

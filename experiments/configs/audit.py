@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from dpmix_jax.privacy.audit import METHODS
 
 
@@ -66,10 +66,10 @@ class MixMinAuditConfig:
         if self.mixture_size < 10:
             raise ValueError("the mixture split must hold at least 10 examples.")
         _check_epsilons(self.epsilons)
-        accounting.check_delta(self.delta)
-        accounting.check_steps(self.steps)
+        validation.check_delta(self.delta)
+        validation.check_steps(self.steps)
         for name in ("batch_size", "clip_norm", "learning_rate"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
         if self.shift not in ("none", "mean", "weighted"):
             raise ValueError(f"shift must be 'none', 'mean' or 'weighted', got {self.shift!r}.")
 
@@ -100,10 +100,10 @@ class DpSgdAuditConfig:
 
     def __post_init__(self) -> None:
         _check_epsilons(self.epsilons)
-        accounting.check_delta(self.delta)
-        accounting.check_steps(self.steps)
+        validation.check_delta(self.delta)
+        validation.check_steps(self.steps)
         for name in ("batch_size", "clip_norm", "learning_rate", "canary_scale"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,15 +177,15 @@ class ReleaseAuditConfig:
     pipeline_chunk: int = 400
 
     def __post_init__(self) -> None:
-        accounting.check_epsilon(self.epsilon)
-        accounting.check_delta(self.delta)
+        validation.check_epsilon(self.epsilon)
+        validation.check_delta(self.delta)
         _check_epsilons(self.tight_epsilons)
         for name in ("clip_norm", "learning_rate", "tight_learning_rate", "one_run_batch_size"):
-            accounting.check_positive(getattr(self, name), name)
-        accounting.check_positive(self.ghost_batch_size, "ghost_batch_size")
-        accounting.check_positive(self.user_batch_size, "user_batch_size")
+            validation.check_positive(getattr(self, name), name)
+        validation.check_positive(self.ghost_batch_size, "ghost_batch_size")
+        validation.check_positive(self.user_batch_size, "user_batch_size")
         for name in ("pipeline_mix_batch", "pipeline_mix_learning_rate", "pipeline_ft_batch"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
         if not 0 < self.pipeline_mix_fraction < 1:
             raise ValueError(
                 f"pipeline_mix_fraction must be in (0, 1), got {self.pipeline_mix_fraction!r}."
@@ -267,7 +267,7 @@ def _check_epsilons(epsilons: tuple[float, ...]) -> None:
     if not isinstance(epsilons, tuple) or not epsilons:
         raise ValueError(f"epsilons must be a non-empty tuple, got {epsilons!r}.")
     for eps in epsilons:
-        accounting.check_epsilon(eps)
+        validation.check_epsilon(eps)
 
 
 def get_config(preset: str = "cpu") -> AuditConfig:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.pipeline import ImagePipelineConfig, presets
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from experiments.configs.nih import paper_pipeline
 
 GRADIENT_MODELS: tuple[str, ...] = ("random_init", "uniform_pretrained")
@@ -63,11 +63,11 @@ class GsdConfig:
     def __post_init__(self) -> None:
         if self.data not in ("digits", "chexpert"):
             raise ValueError(f"data must be 'digits' or 'chexpert', got {self.data!r}.")
-        accounting.check_epsilon(self.epsilon)
+        validation.check_epsilon(self.epsilon)
         if not self.seeds:
             raise ValueError("seeds must not be empty.")
-        accounting.check_steps(self.num_examples, "num_examples")
-        accounting.check_steps(self.dim, "dim")
+        validation.check_steps(self.num_examples, "num_examples")
+        validation.check_steps(self.dim, "dim")
         if self.dim > self.num_examples:
             raise ValueError(f"dim ({self.dim}) must be <= num_examples ({self.num_examples}).")
         if not self.gradient_models or not set(self.gradient_models) <= set(GRADIENT_MODELS):

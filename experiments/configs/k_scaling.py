@@ -47,7 +47,7 @@ import dataclasses
 
 from dpmix_jax.models.resnet import ResNetConfig
 from dpmix_jax.pipeline.image import ModelSpec
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from dpmix_jax.train import TrainConfig
 
 DATA = ("digits", "imagenet_cifar100")
@@ -100,7 +100,7 @@ class TrainedProxyConfig:
             "stand_in_tasks",
             "eval_batch_size",
         ):
-            accounting.check_steps(getattr(self, name), name)
+            validation.check_steps(getattr(self, name), name)
         if self.data == "digits" and self.num_label_functions > NUM_DIGIT_SUBSETS:
             raise ValueError(
                 f"num_label_functions must be <= {NUM_DIGIT_SUBSETS} (the non-trivial subsets of"
@@ -176,13 +176,13 @@ class KScalingConfig:
                 f" {self.trained.num_label_functions} heads."
             )
         for name in ("num_examples", "num_features", "support", "batch_size", "public_examples"):
-            accounting.check_steps(getattr(self, name), name)
-        accounting.check_epsilon(self.epsilon)
-        accounting.check_delta(self.delta)
-        accounting.check_steps(self.max_steps, "max_steps")
-        accounting.check_steps(self.reference_steps, "reference_steps")
+            validation.check_steps(getattr(self, name), name)
+        validation.check_epsilon(self.epsilon)
+        validation.check_delta(self.delta)
+        validation.check_steps(self.max_steps, "max_steps")
+        validation.check_steps(self.reference_steps, "reference_steps")
         for name in ("proxy_scale", "clip_scale", "step_size", "reference_learning_rate"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
         if not 0.0 < self.clip_quantile <= 1.0:
             raise ValueError(f"clip_quantile must be in (0, 1], got {self.clip_quantile!r}.")
         if self.public_seed in self.seeds:

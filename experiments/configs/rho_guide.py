@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,15 +73,15 @@ class RhoGuideConfig:
         if not self.epsilons or not self.seeds:
             raise ValueError("epsilons and seeds must not be empty.")
         for epsilon in self.epsilons:
-            accounting.check_epsilon(epsilon)
-        accounting.check_delta(self.delta)
-        accounting.check_positive(self.alpha, "alpha")
+            validation.check_epsilon(epsilon)
+        validation.check_delta(self.delta)
+        validation.check_positive(self.alpha, "alpha")
         for name in ("num_sources", "held_out", "steps", "batch_size", "reference_steps"):
-            accounting.check_steps(getattr(self, name), name)
+            validation.check_steps(getattr(self, name), name)
         if self.num_sources < 2:
             raise ValueError(f"num_sources must be >= 2, got {self.num_sources}.")
         for name in ("clip_scale", "step_size", "reference_learning_rate", "proxy_scale"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
         if not 0.0 < self.clip_quantile <= 1.0:
             raise ValueError(f"clip_quantile must be in (0, 1], got {self.clip_quantile!r}.")
         if self.public_seed in self.seeds:

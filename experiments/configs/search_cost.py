@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from experiments.configs.k_scaling import KScalingConfig
 
 SOLVERS = ("mirror_descent", "frank_wolfe")
@@ -83,7 +83,7 @@ class SearchCostConfig:
             raise ValueError(f"candidate_counts must be integers >= 1, got {counts!r}.")
         if list(counts) != sorted(set(counts)):
             raise ValueError(f"candidate_counts must be strictly increasing, got {counts!r}.")
-        accounting.check_steps(self.candidate_pool, "candidate_pool")
+        validation.check_steps(self.candidate_pool, "candidate_pool")
         if self.candidate_pool < max(counts):
             raise ValueError(
                 f"candidate_pool ({self.candidate_pool}) must be >= the largest candidate count"

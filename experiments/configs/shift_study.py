@@ -25,7 +25,7 @@ import dataclasses
 from dpmix_jax.mixing.solvers import SHIFTS
 from dpmix_jax.pipeline import ImagePipelineConfig, presets, text_presets
 from dpmix_jax.pipeline.text import TextPipelineConfig
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,8 +55,8 @@ class ShiftStudyConfig:
     def __post_init__(self) -> None:
         if self.image is None and self.text is None:
             raise ValueError("give an image or a text pipeline config (or both).")
-        accounting.check_epsilon(self.epsilon)
-        accounting.check_steps(self.tuning_draws, "tuning_draws")
+        validation.check_epsilon(self.epsilon)
+        validation.check_steps(self.tuning_draws, "tuning_draws")
         if not self.seeds:
             raise ValueError("seeds must be non-empty.")
         unknown = [s for s in self.shifts if s not in SHIFTS]

@@ -42,7 +42,7 @@ import dataclasses
 
 from dpmix_jax.pipeline import ImagePipelineConfig, presets, text_presets
 from dpmix_jax.pipeline.text import TextPipelineConfig
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 from experiments.configs import enron, nih
 
 
@@ -65,9 +65,9 @@ class SweepPoint:
     mix_fraction: float
 
     def __post_init__(self) -> None:
-        accounting.check_steps(self.steps)
+        validation.check_steps(self.steps)
         for name in ("learning_rate", "batch_size", "clip_norm"):
-            accounting.check_positive(getattr(self, name), name)
+            validation.check_positive(getattr(self, name), name)
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
 
@@ -140,8 +140,8 @@ class SmallEpsConfig:
         if not self.epsilons or not self.seeds:
             raise ValueError("epsilons and seeds must be non-empty.")
         for epsilon in (*self.epsilons, self.sweep_epsilon):
-            accounting.check_epsilon(epsilon)
-        accounting.check_steps(self.sweep_draws, "sweep_draws")
+            validation.check_epsilon(epsilon)
+        validation.check_steps(self.sweep_draws, "sweep_draws")
         if self.sweep:
             if self.data != "builtin" or self.image is None:
                 raise ValueError("the sweep runs on the embedded image default only.")

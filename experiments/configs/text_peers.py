@@ -24,7 +24,7 @@ from dpmix_jax.data.builtin import BBC_TOPICS
 from dpmix_jax.pate.finetuned import TeacherTuning
 from dpmix_jax.pate.public import TextDefaultModel
 from dpmix_jax.pate.synthesize import TEACHER_KINDS
-from dpmix_jax.privacy import accounting
+from dpmix_jax.privacy import validation
 
 PRIVATE_METHODS = ("hot_pate", "independent_pate", "invisibleink", "amin", "pmixed")
 REFERENCES = ("public", "nonprivate")
@@ -92,14 +92,14 @@ class TextPeersConfig:
             raise ValueError(f"teachers must be one of {TEACHER_KINDS}, got {self.teachers!r}.")
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
             raise ValueError(f"epsilons must be positive numbers, got {self.epsilons!r}.")
-        accounting.check_delta(self.delta)
+        validation.check_delta(self.delta)
         if not self.seeds:
             raise ValueError("seeds must name at least one seed.")
         unknown = sorted(set(self.topics) - set(BBC_TOPICS))
         if len(self.topics) < 2 or unknown:
             raise ValueError(f"topics must be at least two of {BBC_TOPICS}, got {self.topics!r}.")
         for name in ("num_teachers", "lines_per_topic", "max_new_tokens", "test_per_topic"):
-            accounting.check_steps(getattr(self, name), name)
+            validation.check_steps(getattr(self, name), name)
         if self.num_teachers < 2:
             raise ValueError(f"num_teachers must be >= 2, got {self.num_teachers}.")
         if not 0 < self.min_chars <= self.max_chars:

@@ -69,7 +69,7 @@ from dpmix_jax.pate.generation import PublicModel, Teachers
 from dpmix_jax.pate.peers import decoding
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
+from dpmix_jax.privacy import randomness, validation
 
 __all__ = [
     "AminConfig",
@@ -121,12 +121,12 @@ class AminConfig:
     delta: float = 1e-6
 
     def __post_init__(self):
-        privacy.check_steps(self.num_teachers, "num_teachers")
-        privacy.check_steps(self.max_new_tokens, "max_new_tokens")
-        privacy.check_steps(self.max_private_tokens, "max_private_tokens")
-        privacy.check_positive(self.clip_bound, "clip_bound")
-        privacy.check_positive(self.temperature, "temperature")
-        privacy.check_positive(self.public_temperature, "public_temperature")
+        validation.check_steps(self.num_teachers, "num_teachers")
+        validation.check_steps(self.max_new_tokens, "max_new_tokens")
+        validation.check_steps(self.max_private_tokens, "max_private_tokens")
+        validation.check_positive(self.clip_bound, "clip_bound")
+        validation.check_positive(self.temperature, "temperature")
+        validation.check_positive(self.public_temperature, "public_temperature")
         if (self.threshold is None) != (self.svt_noise is None):
             raise ValueError(
                 "threshold and svt_noise must both be set (sparse-vector test) or both be None "
@@ -136,8 +136,8 @@ class AminConfig:
         if self.threshold is not None:
             if not _is_finite_number(self.threshold):
                 raise ValueError(f"threshold must be a finite number, got {self.threshold!r}.")
-            privacy.check_positive(self.svt_noise, "svt_noise")
-        privacy.check_delta_for_units(
+            validation.check_positive(self.svt_noise, "svt_noise")
+        validation.check_delta_for_units(
             self.delta,
             self.num_teachers,
             unit="teachers (each holds at least one sensitive unit)",
@@ -244,8 +244,8 @@ def calibrate(
     Raises:
         ValueError: invalid settings, or a sparse-vector test that alone exceeds the target.
     """
-    epsilon = privacy.check_epsilon(epsilon)
-    relative_tolerance = privacy.check_positive(relative_tolerance, "relative_tolerance")
+    epsilon = validation.check_epsilon(epsilon)
+    relative_tolerance = validation.check_positive(relative_tolerance, "relative_tolerance")
 
     def config_with(clip_bound: float) -> AminConfig:
         return AminConfig(
@@ -289,8 +289,8 @@ def svt_noise_for(*, epsilon: float, delta: float, runs: int, num_teachers: int)
 
     Privacy: reads no data; the result depends on public settings only.
     """
-    epsilon = privacy.check_epsilon(epsilon)
-    runs = privacy.check_steps(runs, "runs")
+    epsilon = validation.check_epsilon(epsilon)
+    runs = validation.check_steps(runs, "runs")
     if isinstance(num_teachers, bool) or not isinstance(num_teachers, int) or num_teachers < 2:
         raise ValueError(f"num_teachers must be an integer >= 2, got {num_teachers!r}.")
 

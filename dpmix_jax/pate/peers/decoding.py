@@ -8,8 +8,7 @@ from collections.abc import Callable, Sequence
 import jax
 
 from dpmix_jax.pate.generation import Teachers
-from dpmix_jax.privacy import accounting as privacy
-from dpmix_jax.privacy import randomness
+from dpmix_jax.privacy import randomness, validation
 
 __all__ = ["Decoded", "check_teachers", "decode"]
 
@@ -65,7 +64,7 @@ def decode(
 
     Privacy: as private as `next_token`; the loop reads nothing else.
     """
-    max_new_tokens = privacy.check_steps(max_new_tokens, "max_new_tokens")
+    max_new_tokens = validation.check_steps(max_new_tokens, "max_new_tokens")
     stops = [tuple(int(t) for t in s) for s in stop_sequences]
     if any(len(s) == 0 for s in stops):
         raise ValueError("stop_sequences must not contain an empty sequence.")

@@ -53,6 +53,7 @@ from dpmix_jax.pate import generation
 from dpmix_jax.pate.peers import decoding
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import validation
 
 __all__ = [
     "InvisibleInkConfig",
@@ -95,14 +96,14 @@ class InvisibleInkConfig:
     allow_large_delta: bool = False
 
     def __post_init__(self):
-        privacy.check_positive(self.clip_norm, "clip_norm")
-        privacy.check_positive(self.temperature, "temperature")
+        validation.check_positive(self.clip_norm, "clip_norm")
+        validation.check_positive(self.temperature, "temperature")
         if self.top_k is not None and not _is_positive_int(self.top_k):
             raise ValueError(f"top_k must be None or an integer >= 1, got {self.top_k!r}.")
-        privacy.check_steps(self.max_new_tokens, "max_new_tokens")
+        validation.check_steps(self.max_new_tokens, "max_new_tokens")
         if not _is_positive_int(self.num_teachers):
             raise ValueError(f"num_teachers must be an integer >= 1, got {self.num_teachers!r}.")
-        privacy.check_delta_for_units(
+        validation.check_delta_for_units(
             self.delta,
             self.num_teachers,
             unit="teachers (each holds at least one sensitive unit)",
@@ -129,7 +130,7 @@ def dp_event(config: InvisibleInkConfig, *, steps: int) -> dp_accounting.DpEvent
 
 
 def _event(rho: float, steps: int) -> dp_accounting.DpEvent:
-    steps = privacy.check_steps(steps)
+    steps = validation.check_steps(steps)
     return dp_accounting.SelfComposedDpEvent(dp_accounting.ZCDpEvent(rho), steps)
 
 
@@ -166,7 +167,7 @@ def calibrate(
         ValueError: a target ε outside `privacy.accounting.CALIBRATION_EPSILON_RANGE`, or any
             setting `InvisibleInkConfig` rejects (e.g. δ >= 1/n).
     """
-    target = privacy.check_epsilon(epsilon)
+    target = validation.check_epsilon(epsilon)
     low, high = privacy.CALIBRATION_EPSILON_RANGE
     if not low <= target <= high:
         raise ValueError(f"epsilon must be in [{low:g}, {high:g}] for calibration, got {target!r}.")

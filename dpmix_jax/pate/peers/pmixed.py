@@ -63,7 +63,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from dpmix_jax.pate import generation
 from dpmix_jax.pate.peers import decoding
 from dpmix_jax.pate.peers.result import PeerResult
-from dpmix_jax.privacy import accounting as privacy
+from dpmix_jax.privacy import validation
 
 __all__ = [
     "ORDERS",
@@ -113,12 +113,12 @@ class PMixEDConfig:
     def __post_init__(self):
         if not isinstance(self.alpha, int | float) or not 1 < self.alpha < math.inf:
             raise ValueError(f"alpha must be a finite number > 1, got {self.alpha!r}.")
-        privacy.check_positive(self.beta, "beta")
-        privacy.check_sampling_rate(self.sampling_rate)
-        privacy.check_steps(self.num_teachers, "num_teachers")
-        privacy.check_steps(self.max_new_tokens, "max_new_tokens")
-        privacy.check_positive(self.temperature, "temperature")
-        privacy.check_steps(self.bisection_iterations, "bisection_iterations")
+        validation.check_positive(self.beta, "beta")
+        validation.check_sampling_rate(self.sampling_rate)
+        validation.check_steps(self.num_teachers, "num_teachers")
+        validation.check_steps(self.max_new_tokens, "max_new_tokens")
+        validation.check_positive(self.temperature, "temperature")
+        validation.check_steps(self.bisection_iterations, "bisection_iterations")
 
 
 def pairwise_divergence_bound(alpha: float, beta: float) -> float:
@@ -141,10 +141,10 @@ def token_rdp(config: PMixEDConfig) -> float:
 
 def epsilon(config: PMixEDConfig, *, steps: int, delta: float) -> float:
     """ε at `delta` of `steps` private tokens (RDP composition at order α, then conversion)."""
-    delta = privacy.check_delta(delta)
+    delta = validation.check_delta(delta)
     if steps == 0:
         return 0.0
-    steps = privacy.check_steps(steps)
+    steps = validation.check_steps(steps)
     eps, _ = rdp_privacy_accountant.compute_epsilon(
         [config.alpha], [steps * token_rdp(config)], delta
     )
@@ -195,11 +195,11 @@ def calibrate(
     Raises:
         ValueError: a bad argument, or no order in reach of the target.
     """
-    epsilon = privacy.check_epsilon(epsilon)
-    delta = privacy.check_delta(delta)
-    steps = privacy.check_steps(max_new_tokens, "max_new_tokens")
-    num_teachers = privacy.check_steps(num_teachers, "num_teachers")
-    sampling_rate = privacy.check_sampling_rate(sampling_rate)
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    steps = validation.check_steps(max_new_tokens, "max_new_tokens")
+    num_teachers = validation.check_steps(num_teachers, "num_teachers")
+    sampling_rate = validation.check_sampling_rate(sampling_rate)
     if alpha is not None and (not isinstance(alpha, int | float) or not 1.01 < alpha < math.inf):
         raise ValueError(f"alpha must be a finite number > 1.01, got {alpha!r}.")
     weight = _kept_weight(sampling_rate, num_teachers)
@@ -349,7 +349,7 @@ def generate(
         `token_rdp(config)`; the report composes the tokens that ran.
     """
     decoding.check_teachers(teachers, config.num_teachers)
-    delta = privacy.check_delta(delta)
+    delta = validation.check_delta(delta)
 
     def next_token(key, prefix):
         teacher_logits = jnp.asarray(teachers(prefix), jnp.float32)
