@@ -215,7 +215,7 @@ class _Conv:
         # Without the barrier XLA:CPU fuses the slicing into the matmul's operand and loses its
         # fast dot kernel.
         patches = jax.lax.optimization_barrier(self.unfold(inputs))
-        grads = jnp.einsum("bkt,bot->bko", patches, self.channel_major(out_grads))
+        grads = jnp.einsum("bkt,bot->bko", patches, self.channel_major(out_grads), precision=_EXACT)
         return self._kernel_layout(
             grads.reshape(grads.shape[0], *self.kernel_size, -1, grads.shape[-1])
         )
@@ -386,7 +386,7 @@ def _correlate(x: jax.Array, g: jax.Array, kernel_size: Sequence[int]) -> jax.Ar
     flat = x.reshape(batch, channels, -1)
     flat = jnp.pad(flat, ((0, 0), (0, 0), (0, max(0, length + last_size - 1 - flat.shape[-1]))))
     x_stack = jnp.concatenate([flat[..., d : d + length] for d in range(last_size)], axis=1)
-    grads = jnp.einsum("bkt,bot->bko", x_stack, g_stack)
+    grads = jnp.einsum("bkt,bot->bko", x_stack, g_stack, precision=_EXACT)
     grads = grads.reshape(batch, last_size, channels, *lead_sizes, -1)
     lead_axes = range(3, 3 + len(lead_sizes))
     return jnp.transpose(grads, (0, *lead_axes, 1, 2, grads.ndim - 1))
