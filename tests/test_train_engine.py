@@ -323,3 +323,20 @@ def test_dp_finetuning_with_mask_leaves_frozen_params_bit_identical():
         else:
             assert before[name].tobytes() == after[name].tobytes(), name
     assert set(result.state.params) == {n for n, t in flags.items() if t}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 8])
+def test_a_consumed_state_is_refused_in_one_line(chunk_size):
+    # Private steps donate their input state's buffers to the state they return.
+    trainer = make_trainer(private_config(steps=2, chunk_size=chunk_size))
+    state = trainer.init_state()
+    result = engine.fit(trainer, DATA, state=state, rng=np.random.default_rng(0))
+    assert int(result.state.step) == 2
+    for reuse in (
+        lambda: engine.fit(trainer, DATA, state=state, rng=np.random.default_rng(0)),
+        lambda: trainer.private_step(state, DATA, np.random.default_rng(0)),
+    ):
+        with pytest.raises(ValueError, match="consumed by an earlier private step") as info:
+            reuse()
+        assert "FitResult.state" in str(info.value) and "init_state()" in str(info.value)
+    engine.fit(trainer, DATA, state=trainer.init_state(), rng=np.random.default_rng(1))

@@ -191,6 +191,18 @@ class TrainState:
     opt_state: PyTree
 
 
+def check_live(state: TrainState) -> None:
+    """Refuses a state that an earlier private step consumed (its buffers donated to the state
+    it returned), with one line saying what to pass instead."""
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise ValueError(
+            "this TrainState was consumed by an earlier private step: its buffers now belong to "
+            "the state that step returned. Pass that state (fit returns it as "
+            "FitResult.state), or trainer.init_state() to start again from the initial "
+            "parameters."
+        )
+
+
 def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
     extra = -rows.shape[0] % multiple
     if not extra:
@@ -533,6 +545,7 @@ class Trainer:
 
         `cycle`: BandMF's (`cycle_parts`, step index), computed from `state` when None.
         """
+        check_live(state)
         if self.config.noise == "bandmf":
             parts, step = cycle or (self.cycle_parts(state, data), int(state.step))
             if self.config.level == "user":
@@ -562,6 +575,7 @@ class Trainer:
         self, state: TrainState, gather: Gather, indices: np.ndarray, mask: np.ndarray
     ) -> tuple[TrainState, jax.Array]:
         """`noisy_step`, and whether the new parameters are all finite (on device)."""
+        check_live(state)
         if self.config.chunk_size is None:
             ((batch, chunk_mask),) = self._chunks(gather, indices, mask)
             return self._step_fn(state, self.frozen, self.rest, batch, chunk_mask)
@@ -731,6 +745,7 @@ def fit(
         rng = np.random.default_rng(randomness.agree_secret(randomness.secret_seed()))
     fresh = state is None
     state = trainer.init_state() if fresh else state
+    check_live(state)
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state, rng, restored = checkpointer.restore(state)
         ledger = restored if config.private else ledger
