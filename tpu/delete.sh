@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Delete a TPU VM / pod slice (stops the billing).
+# Delete the TPU VM or pod slice TPU_NAME (this stops the billing; the bucket stays).
 #
-# Usage: tpu/delete.sh NAME [ZONE]
+# Usage: PROJECT=... ZONE=... TPU_NAME=... tpu/delete.sh
 set -euo pipefail
-name=${1:?usage: tpu/delete.sh NAME [ZONE]}
-zone=${2:-us-central2-b}
-gcloud compute tpus tpu-vm delete "$name" --zone="$zone" --quiet
+# shellcheck source=tpu/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+need PROJECT ZONE TPU_NAME
+tpu_vm delete "$TPU_NAME" --quiet

@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# Launch one experiment on every host of a TPU VM / pod slice at once.
+# Start one experiment on every worker of TPU_NAME at once, in the background: the same command on
+# each, `dpmix run EXPERIMENT --distributed` (jax.distributed finds the coordinator and the
+# process ids itself on Cloud TPU), from the shared folder SHARED that tpu/install.sh mounted.
 #
-# Usage: [MESH=data=D,model=M] tpu/launch.sh NAME ZONE EXPERIMENT [ARGS...]
-#   e.g. tpu/launch.sh dpmix-v4 us-central2-b enron --preset paper --out /mnt/shared/enron
-#        MESH=data=4,model=4 tpu/launch.sh dpmix-v4 us-central2-b openwebmath --out /mnt/shared/owm
+# Usage: PROJECT=... ZONE=... TPU_NAME=... [SHARED=/mnt/dpmix] [MESH=data=-1] [OUT=DIR] \
+#          tpu/launch.sh EXPERIMENT [ARGS...]
+#   e.g. tpu/launch.sh enron --preset paper
+#        MESH=data=4,model=4 tpu/launch.sh openwebmath --preset paper
 #
-# Every host runs `dpmix run EXPERIMENT --distributed --mesh $MESH ARGS...`: --distributed calls
-# jax.distributed.initialize(), which on Cloud TPU discovers the coordinator and the process ids
-# itself; MESH (default data=-1: every chip on the data axis) is the device mesh over all chips of
-# the slice. Each host reads its own rows of every index batch; process 0 writes the results;
-# --out must be a folder every host sees at the same path (checkpoints are written by all hosts).
+# The paper presets read SHARED/data and SHARED/weights; outputs go to OUT (default
+# SHARED/runs/EXPERIMENT), where process 0 writes the results and every process its part of the
+# orbax checkpoints. ARGS come last, so they override these. Each worker logs to
+# ~/dpmix-EXPERIMENT.log and writes the run's process id to ~/dpmix-EXPERIMENT.pid.
 set -euo pipefail
-name=${1:?usage: tpu/launch.sh NAME ZONE EXPERIMENT [ARGS...]}
-zone=${2:?zone}
-experiment=${3:?experiment}
-shift 3
-mesh=${MESH:-data=-1}
-args=$(printf ' %q' "$@")
+# shellcheck source=tpu/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+need PROJECT ZONE TPU_NAME
+(($# >= 1)) || fail "give the experiment: tpu/launch.sh EXPERIMENT [ARGS...] (dpmix experiments lists them)"
+experiment=$1
+shift
+shared=${SHARED:-/mnt/dpmix}
+root_options "$experiment" "$shared"
 
-gcloud compute tpus tpu-vm ssh "$name" --zone="$zone" --worker=all --command="
-  cd dpmix_jax && PYTHONUNBUFFERED=1 nohup ~/dpmix-venv/bin/dpmix run $experiment --distributed \
-    --mesh $mesh$args > ~/dpmix-$experiment.log 2>&1 &
-  echo started on \$(hostname)
-"
-echo "logs: gcloud compute tpus tpu-vm ssh $name --zone=$zone --worker=0 --command='tail -f ~/dpmix-$experiment.log'"
+printf -v run '%q ' run "$experiment" --distributed --mesh "${MESH:-data=-1}" \
+  --out "${OUT:-$shared/runs/$experiment}" "${roots[@]}" "$@"
+printf -v shared_q %q "$shared"
+printf -v log %q "dpmix-$experiment"
+printf -v remote '%s\n' 'set -eu' \
+  "mountpoint -q $shared_q || { echo \"\$(hostname): $shared_q is not mounted; run tpu/install.sh\" >&2; exit 1; }" \
+  "cd $shared_q" \
+  "DPMIX_RUN_COMMIT=\$(cat ~/dpmix_jax/COMMIT) PYTHONUNBUFFERED=1 nohup ~/dpmix-venv/bin/dpmix $run>~/$log.log 2>&1 </dev/null &" \
+  "echo \$! >~/$log.pid" \
+  "echo \"\$(hostname): started $experiment, log ~/$log.log\""
+tpu_vm ssh "$TPU_NAME" --worker=all --command="$remote"
+echo "worker 0's log: gcloud compute tpus tpu-vm ssh $TPU_NAME --project=$PROJECT --zone=$ZONE --worker=0 --command='tail -f ~/$log.log'"
