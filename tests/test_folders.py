@@ -74,3 +74,20 @@ def test_a_file_that_cannot_be_written_is_one_line_naming_it(tmp_path):
     (tmp_path / "split.json.tmp" / "x").write_text("")
     with pytest.raises(OSError, match=f"cannot write {tmp_path / 'split.json'}"):
         folders.write_private(tmp_path / "split.json", "{}")
+
+
+def test_the_compilation_cache_is_an_owner_only_folder(tmp_path, monkeypatch):
+    # JAX's cache setting is process-wide: a stand-in config records what would be set.
+    import types
+
+    from dpmix_jax.pipeline import compilation_cache
+
+    updates = {}
+    config = types.SimpleNamespace(
+        jax_compilation_cache_dir=None, update=lambda name, value: updates.update({name: value})
+    )
+    monkeypatch.setattr(compilation_cache, "jax", types.SimpleNamespace(config=config))
+    compilation_cache.use_compilation_cache(tmp_path / "out" / "xla_cache")
+    folder = tmp_path / "out" / "xla_cache"
+    assert updates == {"jax_compilation_cache_dir": str(folder)}
+    assert folder.stat().st_mode & 0o777 == 0o700

@@ -31,8 +31,8 @@ from dpmix_jax.data import cxr
 from dpmix_jax.data.text import iter_documents, load_domains, load_enron
 from dpmix_jax.models.gpt2 import GPT2Config
 from dpmix_jax.models.resnet import ResNet, ResNetConfig
-from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import METHOD_NAMES
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
 from experiments import cxr as cxr_experiment
 from experiments import enron
 from experiments.configs import enron as enron_configs

@@ -8,7 +8,10 @@ import dp_accounting
 import numpy as np
 import pytest
 
-from dpmix_jax.pipeline import ImagePipeline, MixtureConfig, common, presets, run_comparison
+from dpmix_jax.pipeline import ImagePipeline, MixtureConfig, presets, run_comparison
+from dpmix_jax.pipeline.budget import end_to_end_budget
+from dpmix_jax.pipeline.results import METHODS, RunResult
+from dpmix_jax.pipeline.splits import derived_seed, dirichlet_candidates, split_mixture
 from dpmix_jax.privacy import SEEDED_NOTE, accounting
 from dpmix_jax.train import TrainConfig
 
@@ -110,18 +113,18 @@ def test_end_to_end_budget_is_the_max_or_the_composed_events():
 
     stages = {"mixture": ledger(3.0, 0.05, 100), "finetune": ledger(1.5, 0.02, 300)}
     mixture, finetune = (stages[k].epsilon(1e-5) for k in ("mixture", "finetune"))
-    parallel = common.end_to_end_budget(stages, "parallel", delta=1e-5)
+    parallel = end_to_end_budget(stages, "parallel", delta=1e-5)
     assert parallel == accounting.PrivacyBudget(max(mixture, finetune), 1e-5)
-    sequential = common.end_to_end_budget(stages, "sequential", delta=1e-5)
+    sequential = end_to_end_budget(stages, "sequential", delta=1e-5)
     direct = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
     direct.compose(stages["mixture"].event()).compose(stages["finetune"].event())
     assert direct.get_epsilon(1e-5) <= sequential.epsilon <= direct.get_epsilon(1e-5) * 1.001
     assert max(mixture, finetune) < sequential.epsilon < mixture + finetune
     assert sequential.delta == 1e-5
     with pytest.raises(ValueError, match="composition"):
-        common.end_to_end_budget(stages, "serial", delta=1e-5)
+        end_to_end_budget(stages, "serial", delta=1e-5)
     with pytest.raises(ValueError, match="at least one"):
-        common.end_to_end_budget({}, "sequential", delta=1e-5)
+        end_to_end_budget({}, "sequential", delta=1e-5)
 
 
 def test_sequential_composition_uses_all_data_and_composes_the_stage_events(task, tmp_path):
@@ -178,7 +181,7 @@ def test_baselines_are_labelled_and_accounted(task, tmp_path):
     # two fine-tunings' events composed, more than one and less than their sum, at δ itself.
     store = pipeline.stage_folder(0)
     ledgers = _stored_ledgers(store, "finetune_*_ft_parallel_eps1.0")
-    candidates = common.dirichlet_candidates(task.k, 2, seed=common.derived_seed(0, "candidates"))
+    candidates = dirichlet_candidates(task.k, 2, seed=derived_seed(0, "candidates"))
     assert len(ledgers) == len(candidates) == 2
     direct = _direct_composition(ledgers, 1e-5)
     assert direct <= search.spent.epsilon <= direct * (1 + 1e-3)
@@ -207,7 +210,7 @@ def test_comparison_writes_results_in_the_documented_shape(task, tmp_path):
     assert on_disk == json.loads(json.dumps(results))
     assert {"dataset", "metric", "higher_is_better", "runs", "true_weights"} <= set(on_disk)
     for run in on_disk["runs"]:
-        assert run["method"] in common.METHODS
+        assert run["method"] in METHODS
         assert isinstance(run["utility"], float) and 0 <= run["utility"] <= 1
         assert {"epsilon", "delta", "seed", "weights"} <= set(run)
     dp = next(r for r in on_disk["runs"] if r["method"] == "dp_mixmin")
@@ -220,20 +223,20 @@ def test_comparison_writes_results_in_the_documented_shape(task, tmp_path):
 
 def test_group_ids_give_a_group_disjoint_split():
     groups = np.repeat(np.arange(30), 4)
-    mix, ft = common.split_mixture(groups, 0.2, key=0)
+    mix, ft = split_mixture(groups, 0.2, key=0)
     assert not set(groups[mix]) & set(groups[ft])
     assert len(mix) + len(ft) == len(groups)
 
 
 def test_split_is_by_unit_id_so_adding_or_removing_a_unit_moves_no_other():
     ids = [f"user{i}" for i in range(200)]
-    mix, _ = common.split_mixture(ids, 0.3, key=7)
+    mix, _ = split_mixture(ids, 0.3, key=7)
     in_mix = {ids[i] for i in mix}
     fewer = ids[:50] + ids[51:]  # one unit removed from the middle
-    mix_fewer, _ = common.split_mixture(fewer, 0.3, key=7)
+    mix_fewer, _ = split_mixture(fewer, 0.3, key=7)
     assert {fewer[i] for i in mix_fewer} == in_mix - {ids[50]}
     more = ["newcomer", *ids]
-    mix_more, _ = common.split_mixture(more, 0.3, key=7)
+    mix_more, _ = split_mixture(more, 0.3, key=7)
     assert {more[i] for i in mix_more} - {"newcomer"} == in_mix
 
 
@@ -274,7 +277,7 @@ def test_a_runs_secret_is_drawn_once_kept_owner_only_and_reused_on_resume(task, 
     secret_file = first.stage_folder(0) / "secret_randomness.json"
     assert secret_file.stat().st_mode & 0o777 == 0o600
     seeded = ImagePipeline(task, tiny_config(), tmp_path / "seeded", reproducible=True)
-    assert seeded.private_seed(0, "split") == common.derived_seed(0, "split")
+    assert seeded.private_seed(0, "split") == derived_seed(0, "split")
     assert not (seeded.stage_folder(0) / "secret_randomness.json").exists()
 
 
@@ -367,4 +370,4 @@ def test_a_delta_of_one_over_a_stages_units_is_refused_before_any_training(task,
     config = tiny_config(delta=0.05, allow_large_delta=True)
     allowed = ImagePipeline(task, config, tmp_path / "allowed").run("random_init", 1.0, seed=0)
     assert allowed.allow_large_delta and allowed.to_json()["allow_large_delta"] is True
-    assert common.RunResult.from_json(allowed.to_json()) == allowed
+    assert RunResult.from_json(allowed.to_json()) == allowed

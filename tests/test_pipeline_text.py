@@ -12,7 +12,8 @@ import scipy.special
 from dpmix_jax.data.text import UserDocuments
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2Config
-from dpmix_jax.pipeline import common
+from dpmix_jax.pipeline.splits import derived_seed, dirichlet_candidates
+from dpmix_jax.pipeline.stage_store import weights_key
 from dpmix_jax.pipeline.text import (
     DomainTextTask,
     LanguageModelSpec,
@@ -195,12 +196,12 @@ def test_baselines_share_stages_and_random_search_composes_sequentially(task, fi
     assert uniform.weights == pytest.approx([1 / task.k] * task.k)
     assert set(uniform.stages) == {"finetune"} and uniform.private
     search = pipeline.run("random_search", 1.0, 0)
-    candidates = common.dirichlet_candidates(task.k, 2, seed=common.derived_seed(0, "candidates"))
+    candidates = dirichlet_candidates(task.k, 2, seed=derived_seed(0, "candidates"))
     assert any(np.allclose(search.weights, c) for c in candidates)
     scores = search.extra["validation_utilities"]
     assert search.extra["selected_validation_utility"] == min(scores)  # perplexity: lower wins
     single = pipeline.finetune(
-        pipeline.pretrained(candidates[0], 0), common.weights_key(candidates[0]), "ft", 1.0, 0
+        pipeline.pretrained(candidates[0], 0), weights_key(candidates[0]), "ft", 1.0, 0
     )[1]
     # Two fine-tunings on the same D_ft, composed by the accountant: more than one, less than
     # the sum of their budgets, at δ itself.
@@ -272,7 +273,7 @@ def test_paper_presets_build_and_name_missing_inputs(configs, tmp_path):
     assert str(tmp_path / "w" / "gpt2") in str(err.value)
     assert not (tmp_path / "out").exists()
     argv = ["--preset", "paper", "--out", str(tmp_path / "o"), "--data-root", str(tmp_path)]
-    with pytest.raises(SystemExit, match="missing input paths"):
+    with pytest.raises(ValueError, match="missing input paths"):
         enron_experiment.cli(configs, argv)
 
 

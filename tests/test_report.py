@@ -9,7 +9,9 @@ import matplotlib
 import numpy as np
 import pytest
 
-from dpmix_jax.pipeline import common, compare, report
+from dpmix_jax.pipeline import compare, report
+from dpmix_jax.pipeline.results import METHOD_NOTES, METHODS, RunResult
+from dpmix_jax.privacy import accounting
 
 matplotlib.use("Agg")
 
@@ -20,7 +22,7 @@ def fake_results(seeds=(0, 1, 2), epsilons=(1.0, 2.0, 5.0)) -> dict:
     k, runs = 4, []
     for seed in seeds:
         for eps in epsilons:
-            for method in common.METHODS:
+            for method in METHODS:
                 spent = 4 * eps if method == "random_search" else eps
                 runs.append(
                     {
@@ -28,7 +30,7 @@ def fake_results(seeds=(0, 1, 2), epsilons=(1.0, 2.0, 5.0)) -> dict:
                         "epsilon": eps,
                         "delta": 1e-5,
                         "seed": seed,
-                        "utility": 0.5 + 0.01 * seed + 0.1 * common.METHODS.index(method) / 5,
+                        "utility": 0.5 + 0.01 * seed + 0.1 * METHODS.index(method) / 5,
                         "weights": None
                         if method == "random_init"
                         else rng.dirichlet(np.ones(k)).tolist(),
@@ -46,7 +48,7 @@ def fake_results(seeds=(0, 1, 2), epsilons=(1.0, 2.0, 5.0)) -> dict:
         "higher_is_better": True,
         "runs": runs,
         "true_weights": [0.4, 0.3, 0.2, 0.1],
-        "methods": dict(common.METHOD_NOTES),
+        "methods": dict(METHOD_NOTES),
         "source_names": ["a", "b", "c", "d"],
         "seconds": 12.0,
         "reused_runs": 0,
@@ -114,14 +116,14 @@ class _FakePipeline:
                 listener.stage("finetune")
                 listener.step(1, 2)
                 listener.step(2, 2)
-        return common.RunResult(
+        return RunResult(
             method=method,
             epsilon=epsilon,
             delta=1e-5,
             seed=seed,
             utility=0.5,
             weights=None,
-            spent=common.accounting.PrivacyBudget(epsilon, 1e-5),
+            spent=accounting.PrivacyBudget(epsilon, 1e-5),
             stages={},
             composition="parallel",
             private=True,
@@ -142,10 +144,12 @@ def test_a_resumed_comparison_says_what_it_reused(tmp_path, capsys):
         out_dir=tmp_path,
         progress=False,
     )
-    assert f"reused 2 finished stages from {tmp_path / 'stages'}" in capsys.readouterr().out
+    message = f"reused 2 finished runs (read back from the stage store {tmp_path / 'stages'})"
+    assert message in capsys.readouterr().out
     assert results["reused_runs"] == 2 and fake.listeners == []
     assert {"command", "date", "commit", "version"} <= set(results["provenance"])
-    assert "2 of them read back from stored stages" in (tmp_path / "results.md").read_text()
+    text = (tmp_path / "results.md").read_text()
+    assert "2 runs in" in text and "2 runs read back from stored stages of unrecorded" in text
 
 
 def _compare(fake, out_dir, monkeypatch, command, seeds=(0, 1)):
@@ -173,34 +177,50 @@ def test_a_rerun_that_only_reads_back_keeps_the_provenance_of_the_computing_run(
     read_back = _compare(
         _FakePipeline(out / "stages", stored=everything), out, monkeypatch, "again"
     )
-    for key in ("provenance", "seconds", "reused_runs"):
-        assert read_back[key] == computed[key], key
-    assert json.loads((out / "results.json").read_text())["provenance"]["command"] == "first"
+    assert read_back["provenance"]["command"] == "again" and read_back["reused_runs"] == 4
+    assert [r["origin"]["provenance"]["command"] for r in read_back["runs"]] == ["first"] * 4
     line = compare.provenance_line(read_back)
-    assert "`first`" in line and "read back" not in line
+    assert line.startswith("Measured with `first`, 4 runs in") and "again" not in line
     # `dpmix report --add` copies the origin of the numbers, not that of the rerun.
     report.add_results("toy", out, tmp_path / "results")
     copied = json.loads((tmp_path / "results" / "toy.json").read_text())
-    assert copied["provenance"]["command"] == "first"
+    assert "`first`, 4 runs" in compare.provenance_line(copied)
 
-    # A rerun that computes a run is a run of its own: its provenance replaces the stored one.
+    # A rerun that computes a run is a run of its own: it is named beside the earlier one.
     partly = _compare(
         _FakePipeline(out / "stages", stored=everything - {("uniform", 1)}),
         out,
         monkeypatch,
         "resumed",
     )
-    assert partly["provenance"]["command"] == "resumed" and partly["reused_runs"] == 3
+    line = compare.provenance_line(partly)
+    assert "`first`, 3 runs in" in line and "`resumed`, 1 run in" in line
+
+
+def test_a_smaller_grid_in_between_loses_no_origin(tmp_path, monkeypatch, capsys):
+    # A full grid, then one seed of it into the same folder, then the full grid again (all
+    # read back): every run is still the first command's, and the replacement was announced.
+    out = tmp_path / "run"
+    everything = {(m, s) for m in ("uniform", "random_init") for s in (0, 1)}
+    _compare(_FakePipeline(out / "stages", stored=()), out, monkeypatch, "full")
+    _compare(_FakePipeline(out / "stages", stored=everything), out, monkeypatch, "one", (0,))
+    said = capsys.readouterr().out
+    assert "replacing" in said and "it holds 4 runs (ε 1; seeds 0 1; 2 methods)" in said
+    assert "this command writes 2 (ε 1; seeds 0; 2 methods)" in said
+    again = _compare(_FakePipeline(out / "stages", stored=everything), out, monkeypatch, "again")
+    assert compare.provenance_line(again).startswith("Measured with `full`, 4 runs in")
 
 
 def test_runs_read_back_into_a_folder_with_other_results_say_so(tmp_path, monkeypatch):
     out = tmp_path / "run"
     _compare(_FakePipeline(out / "stages", stored=()), out, monkeypatch, "seed 0", seeds=(0,))
     everything = {(m, s) for m in ("uniform", "random_init") for s in (0, 1)}
-    # Seed 1's runs come from other commands (stored stages shared): no single origin to keep.
+    # Seed 1's runs come from other commands (stored stages shared): their origin is unknown.
     merged = _compare(_FakePipeline(out / "stages", stored=everything), out, monkeypatch, "both")
     assert merged["provenance"]["command"] == "both" and merged["reused_runs"] == 4
-    assert "4 of them read back from stored stages" in compare.provenance_line(merged)
+    line = compare.provenance_line(merged)
+    assert "`seed 0`, 2 runs in" in line
+    assert "2 runs read back from stored stages of unrecorded origin" in line
 
 
 def test_the_progress_text_names_run_stage_and_step(tmp_path):
@@ -310,3 +330,14 @@ def test_a_table_stored_in_the_results_json_is_rebuilt_with_its_provenance(tmp_p
     report.update_markdown(page, results_dir)
     assert "| a |\n|---|\n| 0.5 |\n\nMeasured with `python -m experiments.toy`." in page.read_text()
     assert report.check_markdown(page, results_dir) == []
+
+
+def test_results_md_names_the_reference_methods_and_what_each_guarantee_is_about():
+    results = fake_results()
+    results["privacy_unit"] = "per image"
+    text = compare.markdown_table(results)
+    # Only the methods whose runs are not private end to end are called references.
+    line = next(line for line in text.splitlines() if line.startswith("Reference methods"))
+    assert line.startswith("Reference methods (Random Search, non-private MixMin) are not private")
+    assert "DP-MixMin" not in line and "Uniform" not in line
+    assert "(ε, δ = 1e-05) per image:" in text

@@ -10,7 +10,7 @@ import pytest
 from test_pipeline_image import tiny_config
 
 from dpmix_jax.data.sources import ArraySource
-from dpmix_jax.pipeline import ImagePipeline, common, presets
+from dpmix_jax.pipeline import ImagePipeline, budget, mixture_pipeline, presets, stage_store
 from dpmix_jax.train import Checkpointer, checkpoint
 
 
@@ -81,19 +81,19 @@ def test_a_finished_stage_is_reused_and_an_interrupted_one_resumes_without_respe
     (store / "run_dp_mixmin_parallel_eps1.0.json").unlink()
     (finetune,) = store.glob("finetune_*")
     shutil.rmtree(finetune)
-    real_fit = common.fit
+    real_fit = mixture_pipeline.fit
 
     def killed_after_two_steps(*args, **kwargs):
         real_fit(*args, until=2, **kwargs)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(common, "fit", killed_after_two_steps)
+    monkeypatch.setattr(mixture_pipeline, "fit", killed_after_two_steps)
     with pytest.raises(KeyboardInterrupt):
         _run(task, root)
     # Interrupted: one running checkpoint (owner-only), no final parameters.
     assert [p.name for p in finetune.iterdir()] == ["checkpoints"]
     assert [p.name for p in (finetune / "checkpoints").iterdir()] == ["2"]
-    monkeypatch.setattr(common, "fit", real_fit)
+    monkeypatch.setattr(mixture_pipeline, "fit", real_fit)
     resumed = _run(task, root, stages)[1]
     assert stages == ["finetune"]
     assert resumed.spent == reference.spent  # the ledger's 2 steps restored, not re-recorded
@@ -114,13 +114,13 @@ def test_the_mixture_noise_differs_between_compositions_at_the_same_stage_epsilo
 ):
     # A parallel ε = 1 run and a sequential ε = 10 run (share 0.1) both run DP-MixMin at ε = 1.
     seeds = []
-    real = common.dp_mixmin
+    real = mixture_pipeline.dp_mixmin
 
     def recording(**kwargs):
         seeds.append(kwargs["seed"])
         return real(**kwargs)
 
-    monkeypatch.setattr(common, "dp_mixmin", recording)
+    monkeypatch.setattr(mixture_pipeline, "dp_mixmin", recording)
     preds = np.random.default_rng(0).uniform(0.05, 0.95, size=(200, task.k))
     for composition, epsilon in (("parallel", 1.0), ("sequential", 10.0)):
         for reproducible in (False, True):
@@ -129,7 +129,7 @@ def test_the_mixture_noise_differs_between_compositions_at_the_same_stage_epsilo
                 task, tiny_config(composition=composition), root, reproducible=reproducible
             )
             pipeline.mixture_inputs = lambda seed: {"preds": preds, "kind": "nll"}
-            mix_epsilon, _ = common.stage_epsilons(epsilon, composition, 0.1)
+            mix_epsilon, _ = budget.stage_epsilons(epsilon, composition, 0.1)
             assert mix_epsilon == pytest.approx(1.0)
             pipeline.mixture(mix_epsilon, seed=0)
     # Seeded runs of another config (here its proxy) draw other noise from the same seed too.
@@ -164,7 +164,7 @@ def test_stages_are_recomputed_when_the_data_or_the_code_changes(task, tmp_path,
     stages.clear()
     assert run(task, stages)[1] == first and stages == []  # the original's stages are kept
 
-    monkeypatch.setattr(common, "code_fingerprint", lambda: "other code")
+    monkeypatch.setattr(mixture_pipeline, "code_fingerprint", lambda: "other code")
     stages.clear()
     changed_pipeline, _ = run(task, stages)
     assert stages == ["split", "finetune"]
@@ -174,7 +174,7 @@ def test_stages_are_recomputed_when_the_data_or_the_code_changes(task, tmp_path,
 def test_folder_names_are_keyed_so_they_do_not_fingerprint_the_data(task, tmp_path):
     a = ImagePipeline(task, tiny_config(), tmp_path / "a").settings_folder().name
     b = ImagePipeline(task, tiny_config(), tmp_path / "b").settings_folder().name
-    plain = common.fingerprint(ImagePipeline(task, tiny_config(), tmp_path / "a").settings())
+    plain = stage_store.fingerprint(ImagePipeline(task, tiny_config(), tmp_path / "a").settings())
     assert a != b and not plain.startswith(a)
     assert ImagePipeline(task, tiny_config(), tmp_path / "a").settings_folder().name == a
 

@@ -13,7 +13,7 @@ import pytest
 
 from dpmix_jax.data import tabular as data
 from dpmix_jax.pipeline import tabular
-from dpmix_jax.pipeline.common import MixtureConfig
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
 from dpmix_jax.train import TrainConfig
 from experiments import tabular as study
 from experiments.configs import tabular as configs

@@ -5,9 +5,11 @@
 "utility", "weights", "private", ...}], "true_weights", "methods", "source_names", "seconds",
 "reused_runs", "provenance"}`; every ε in it is the ε the accountants reported for what ran
 (`spent_epsilon`), beside the target (`epsilon`). `provenance` records the command, date, commit,
-package version and machine of the run, so that a number copied from it can be traced; a rerun
-that reads every run back from stored stages keeps the provenance, `seconds` and `reused_runs` of
-the run that computed them.
+package version and machine of this command, and each run's `origin` the command that computed
+that run (`{"provenance", "seconds"}`; `provenance` None: this command), so that a number copied
+from it can be traced: a run read back from stored stages keeps the origin it was computed with,
+which the output folder's `run_origins.json` remembers across commands (an empty origin: read
+back, origin not recorded). A command that replaces the results of another grid says so.
 `noise_seeded` (per run, and overall when any run was) is True when the seeds drove the private
 randomness: reproducible, and not private against anyone who knows the seed (`results.md` then
 says `privacy.SEEDED_NOTE`); otherwise the randomness was secret and `seed` only numbers the
@@ -37,11 +39,12 @@ import tqdm
 
 from dpmix_jax import checkout, interrupt, parallel
 from dpmix_jax.mixing import cosine_similarity, l1_distance
-from dpmix_jax.pipeline import common, folders
+from dpmix_jax.pipeline import folders
+from dpmix_jax.pipeline.progress import ProgressListener
+from dpmix_jax.pipeline.results import METHOD_NOTES, METHODS, Method, RunResult
 from dpmix_jax.privacy import SEEDED_NOTE
 from dpmix_jax.privacy.accounting import format_epsilon
 
-# Why a method is only a reference point (its runs carry `"private": false`).
 METHOD_NAMES = {
     "dp_mixmin": "DP-MixMin",
     "uniform": "Uniform",
@@ -49,6 +52,7 @@ METHOD_NAMES = {
     "random_search": "Random Search",
     "nonprivate_mixmin": "non-private MixMin",
 }
+# Why a method is only a reference point (its runs carry `"private": false`).
 REFERENCE_NOTES = {
     "random_search": "non-private selection",
     "nonprivate_mixmin": "λ not private, only its fine-tuning is DP",
@@ -69,11 +73,11 @@ _STAGE_LABELS = {
 class Pipeline(Protocol):
     root: pathlib.Path
 
-    def run(self, method: common.Method, epsilon: float, seed: int) -> common.RunResult: ...
+    def run(self, method: Method, epsilon: float, seed: int) -> RunResult: ...
 
-    def add_listener(self, listener: common.ProgressListener) -> None: ...
+    def add_listener(self, listener: ProgressListener) -> None: ...
 
-    def remove_listener(self, listener: common.ProgressListener) -> None: ...
+    def remove_listener(self, listener: ProgressListener) -> None: ...
 
 
 class _GridProgress:
@@ -126,7 +130,10 @@ class _GridProgress:
             again = " in all" if self._announced else ""
             self._announced = self.reused_runs
             plural = "" if self.reused_runs == 1 else "s"
-            message = f"reused {self.reused_runs} finished stage{plural} from {self._store}{again}"
+            message = (
+                f"reused {self.reused_runs} finished run{plural} (read back from the stage store "
+                f"{self._store}){again}"
+            )
             if self._enabled:
                 self._bar.write(message)
             else:
@@ -196,7 +203,7 @@ def run_comparison(
     """Runs every (method, ε, seed), then writes `results.json`, `results.md` and plots.
 
     Args:
-        pipeline: a `common.MixturePipeline` (stages stored, so an interrupted comparison
+        pipeline: a `mixture_pipeline.MixturePipeline` (stages stored, so an interrupted comparison
             resumes; the runs it reads back are counted and reported).
         dataset, metric, higher_is_better: describe the utility in the outputs.
         methods, epsilons, seeds: the grid.
@@ -213,8 +220,8 @@ def run_comparison(
         The `results.json` content.
     """
     for method in methods:
-        if method not in common.METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {common.METHODS}.")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {METHODS}.")
     if not epsilons or not seeds or not methods:
         raise ValueError("methods, epsilons and seeds must be non-empty.")
     out_dir = pathlib.Path(out_dir)
@@ -224,6 +231,8 @@ def run_comparison(
     with lock(out_dir), lock(pipeline.root):
         _check_one_dataset(out_dir, dataset)
         grid = list(itertools.product(seeds, epsilons, methods))
+        _say_if_replacing_another_grid(out_dir / "results.json", grid)
+        origins = _read_origins(out_dir / ORIGINS_FILE)
         start = time.perf_counter()
         bar = _GridProgress(len(grid), dataset, enabled=progress, store=pipeline.root)
         pipeline.add_listener(bar)
@@ -232,7 +241,13 @@ def run_comparison(
             for seed, epsilon, method in grid:
                 interrupt.raise_if_interrupted()
                 bar.start_run(f"{method} ε={epsilon:g} seed={seed}")
-                runs.append(pipeline.run(method, float(epsilon), int(seed)).to_json())
+                reused, run_start = bar.reused_runs, time.perf_counter()
+                run = pipeline.run(method, float(epsilon), int(seed)).to_json()
+                if bar.reused_runs > reused:
+                    run["origin"] = origins.get(_run_key(run), {})
+                else:
+                    run["origin"] = {"provenance": None, "seconds": time.perf_counter() - run_start}
+                runs.append(run)
                 bar.finish_run()
         finally:
             pipeline.remove_listener(bar)
@@ -244,7 +259,7 @@ def run_comparison(
             "noise_seeded": any(run["noise_seeded"] for run in runs),
             "runs": runs,
             "true_weights": None if true_weights is None else np.asarray(true_weights).tolist(),
-            "methods": {m: common.METHOD_NOTES[m] for m in methods},
+            "methods": {m: METHOD_NOTES[m] for m in methods},
             "source_names": None if source_names is None else list(source_names),
             "seconds": time.perf_counter() - start,
             "reused_runs": bar.reused_runs,
@@ -253,10 +268,9 @@ def run_comparison(
         if privacy_unit is not None:
             results["privacy_unit"] = privacy_unit
         _add_weight_quality(results, reference_method)
-        if runs and bar.reused_runs == len(runs):
-            keep_provenance_of_computing_run(results, out_dir / "results.json")
 
         def write():
+            _remember_origins(out_dir / ORIGINS_FILE, origins, runs, results["provenance"])
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
             (out_dir / "results.md").write_text(markdown_table(results))
             plot_results(results, out_dir)
@@ -265,8 +279,86 @@ def run_comparison(
         return results
 
 
-# What a comparison that computed nothing keeps of the results file it rewrites.
+# The output folder's record of which command computed each run (key: `_run_key`).
+ORIGINS_FILE = "run_origins.json"
+# What a command that computed nothing keeps of the results file it rewrites.
 _COMPUTING_RUN_KEYS = ("provenance", "seconds", "reused_runs")
+
+
+def _numbers(value: Any) -> Any:
+    """`value` without what says where its numbers come from (provenance, wall times, run
+    origins), at any depth: what two runs must share to be the same results."""
+    if isinstance(value, dict):
+        return {
+            k: _numbers(v) for k, v in value.items() if k not in (*_COMPUTING_RUN_KEYS, "origin")
+        }
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
+    return value
+
+
+def _run_key(run: dict[str, Any]) -> str:
+    """A run's identity: its grid point and everything it reports (a rerun of the same stages
+    reports the same numbers)."""
+    fields = {k: v for k, v in run.items() if k not in ("origin", "weight_quality")}
+    as_stored = json.loads(json.dumps(fields, default=_builtin))  # NumPy scalars as read back
+    return json.dumps(as_stored, sort_keys=True)
+
+
+def _builtin(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray | np.generic) else str(value)
+
+
+def _read_origins(path: pathlib.Path) -> dict[str, dict[str, Any]]:
+    try:
+        origins = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not a record of run origins ({err}); delete it") from err
+    if not isinstance(origins, dict):
+        raise ValueError(f"{path} is not a record of run origins; delete it")
+    return origins
+
+
+def _remember_origins(
+    path: pathlib.Path,
+    origins: dict[str, dict[str, Any]],
+    runs: list[dict[str, Any]],
+    command: dict[str, Any],
+) -> None:
+    """Adds the runs computed now to the folder's record (earlier entries are kept)."""
+    for run in runs:
+        origin = run["origin"]
+        if origin and origin["provenance"] is None:
+            origins[_run_key(run)] = {"provenance": command, "seconds": origin["seconds"]}
+    path.write_text(json.dumps(origins, indent=1))
+
+
+def _say_if_replacing_another_grid(path: pathlib.Path, grid: list[tuple]) -> None:
+    """Prints one line when `path` holds the results of another (method, ε, seed) grid."""
+    try:
+        previous = json.loads(path.read_text())["runs"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        return
+    old = {(r["seed"], float(r["epsilon"]), r["method"]) for r in previous}
+    new = {(seed, float(eps), method) for seed, eps, method in grid}
+    if old != new:
+        print(
+            f"replacing {path}: it holds {len(old)} runs ({_grid_text(old)}); this command "
+            f"writes {len(new)} ({_grid_text(new)})",
+            flush=True,
+        )
+
+
+def _grid_text(points: set[tuple]) -> str:
+    seeds = sorted({p[0] for p in points})
+    epsilons = sorted({p[1] for p in points})
+    methods = sorted({p[2] for p in points})
+    return (
+        f"ε {' '.join(f'{e:g}' for e in epsilons)}; seeds {' '.join(map(str, seeds))}; "
+        f"{len(methods)} method{'s' if len(methods) != 1 else ''}"
+    )
 
 
 def keep_provenance_of_computing_run(
@@ -282,8 +374,8 @@ def keep_provenance_of_computing_run(
         previous = json.loads(pathlib.Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):  # nothing to keep: it is rewritten
         return
-    same = json.dumps(previous.get(key), sort_keys=True, default=str) == json.dumps(
-        results[key], sort_keys=True, default=str
+    same = json.dumps(_numbers(previous.get(key)), sort_keys=True, default=str) == json.dumps(
+        _numbers(results[key]), sort_keys=True, default=str
     )
     if same and "provenance" in previous:
         for name in _COMPUTING_RUN_KEYS:
@@ -357,7 +449,12 @@ def summarize(results: dict[str, Any]) -> dict[tuple[str, float], dict[str, floa
 
 
 def _methods(table: dict[tuple[str, float], dict[str, float]]) -> list[str]:
-    return [m for m in common.METHODS if any(key[0] == m for key in table)]
+    return [m for m in METHODS if any(key[0] == m for key in table)]
+
+
+def is_reference(method: str, table: dict[tuple[str, float], dict[str, float]]) -> bool:
+    """Whether some run of `method` is not private end to end (its runs say `"private": false`)."""
+    return not all(row["private"] for (m, _), row in table.items() if m == method)
 
 
 def method_label(method: str, table: dict[tuple[str, float], dict[str, float]]) -> str:
@@ -365,7 +462,7 @@ def method_label(method: str, table: dict[tuple[str, float], dict[str, float]]) 
     that is more than the target ε (Random Search: the composition of m fine-tunings)."""
     rows = {eps: row for (m, eps), row in table.items() if m == method}
     name = METHOD_NAMES.get(method, method)
-    if all(row["private"] for row in rows.values()):
+    if not is_reference(method, table):
         return name
     notes = [REFERENCE_NOTES.get(method, "not private")]
     ratio = max(row["spent"] / eps for eps, row in rows.items())
@@ -417,14 +514,53 @@ def budget_table(results: dict[str, Any]) -> str:
 
 
 def utility_caption(results: dict[str, Any]) -> str:
+    """The tables' caption: the metric, the seeds, and what each (ε, δ) is: δ and the privacy
+    unit (when the results name it)."""
     arrow = "higher is better" if results["higher_is_better"] else "lower is better"
     metric = results["metric"][:1].upper() + results["metric"][1:]
-    unit = f"; (ε, δ) {results['privacy_unit']}" if results.get("privacy_unit") else ""
-    return f"{metric}, mean ± std over {seed_count(results)} seeds ({arrow}){unit}:"
+    deltas = sorted({run["delta"] for run in results["runs"]})
+    guarantee = f"; (ε, δ = {', '.join(f'{d:g}' for d in deltas)})" if deltas else ""
+    if results.get("privacy_unit"):
+        guarantee += f" {results['privacy_unit']}"
+    return f"{metric}, mean ± std over {seed_count(results)} seeds ({arrow}){guarantee}:"
 
 
 def provenance_line(results: dict[str, Any]) -> str:
-    """How the numbers were made: command, runs, time, machine, date, commit (what is known)."""
+    """How the numbers were made: command, runs, time, machine, date, commit (what is known).
+
+    Runs that carry their `origin` are grouped by the command that computed them; a results
+    file without per-run origins is described by its own provenance, `seconds` and
+    `reused_runs`.
+    """
+    runs = results.get("runs") or []
+    if not runs or "origin" not in runs[0]:
+        return _origin_text(results)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    unknown = 0
+    for run in runs:
+        origin = run.get("origin") or {}
+        if not origin:
+            unknown += 1
+            continue
+        command = origin["provenance"] or results.get("provenance") or {}
+        groups.setdefault(json.dumps(command, sort_keys=True), []).append(origin)
+    texts = [
+        _origin_text(
+            {
+                "provenance": json.loads(command),
+                "runs": origins,
+                "seconds": sum(o["seconds"] for o in origins),
+            }
+        )
+        for command, origins in groups.items()
+    ]
+    if unknown:
+        plural = "s" if unknown != 1 else ""
+        texts.append(f"{unknown} run{plural} read back from stored stages of unrecorded origin.")
+    return " ".join(texts)
+
+
+def _origin_text(results: dict[str, Any]) -> str:
     origin = results.get("provenance") or {}
     parts = []
     if origin.get("command"):
@@ -432,7 +568,9 @@ def provenance_line(results: dict[str, Any]) -> str:
     if "seconds" in results:
         reused = results.get("reused_runs", 0)
         reuse = f", {reused} of them read back from stored stages" if reused else ""
-        parts.append(f"{len(results['runs'])} runs in {results['seconds']:.0f} s{reuse}")
+        count = len(results["runs"])
+        runs = f"{count} run{'s' if count != 1 else ''}"
+        parts.append(f"{runs} in {results['seconds']:.0f} s{reuse}")
     if origin.get("backend"):
         machine = (
             f"{origin['cpu_count']} CPU cores"
@@ -462,7 +600,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     """`results.md`: utility (mean ± std over seeds) per method and ε, spent ε and λ quality,
     what each method does, and where the numbers come from."""
     table = summarize(results)
-    references = [m for m in _methods(table) if method_label(m, table) != m]
+    references = [METHOD_NAMES.get(m, m) for m in _methods(table) if is_reference(m, table)]
     lines = [
         f"# {results['dataset']}: {results['metric']}",
         "",

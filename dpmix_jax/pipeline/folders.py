@@ -1,6 +1,7 @@
 """One writer per output folder, and owner-only folders and files for what is private.
 
-`folder_lock(DIR)`: an advisory lock on `DIR/.lock` that names its holder.
+`folder_lock(DIR)`: an advisory lock on `DIR/.lock` (owner-only) that names its holder; a folder
+that the lock created and that holds nothing else when it is released is removed again.
 
 Two runs writing the same stage files and checkpoints would overwrite each other's work (one
 of them dies on a rename, or worse, reads a half-written stage). `folder_lock(DIR)` takes an
@@ -42,6 +43,7 @@ def folder_lock(folder: str | os.PathLike) -> Iterator[pathlib.Path]:
         FolderInUseError: another process holds it; the message names the folder and the pid.
     """
     folder = pathlib.Path(folder)
+    created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     key = folder.resolve()
     with _guard:
@@ -59,12 +61,27 @@ def folder_lock(folder: str | os.PathLike) -> Iterator[pathlib.Path]:
                 _held[key] = (fd, depth - 1)
             else:
                 del _held[key]
+                if created:
+                    _remove_if_only_the_lock(created)
                 os.close(fd)  # closing the descriptor releases the flock
+
+
+def _remove_if_only_the_lock(created: list[pathlib.Path]) -> None:
+    """Removes the locked folder (`created[0]`) and the parents created with it when the lock
+    is all they hold: a run that failed before writing anything leaves no empty output folder
+    behind (called with the lock held)."""
+    folder = created[0]
+    with contextlib.suppress(OSError):
+        if [p.name for p in folder.iterdir()] != [LOCK_NAME]:
+            return
+        (folder / LOCK_NAME).unlink()
+        for empty in created:
+            empty.rmdir()
 
 
 def _acquire(folder: pathlib.Path) -> int:
     path = folder / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -42,7 +42,10 @@ from flax import nnx
 from dpmix_jax.data.sources import Source
 from dpmix_jax.models.mlp import MLP, MLPConfig
 from dpmix_jax.models.resnet import ResNet, ResNetConfig
-from dpmix_jax.pipeline import common
+from dpmix_jax.pipeline.budget import Composition, check_allow_large_delta, stage_epsilons
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
+from dpmix_jax.pipeline.mixture_pipeline import MixturePipeline
+from dpmix_jax.pipeline.stage_store import canonical_json, weights_key
 from dpmix_jax.privacy import validation
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.proxies import nll_matrix
@@ -142,12 +145,12 @@ class ImagePipelineConfig:
     delta: float = 1e-5
     allow_large_delta: bool = False
     mix_fraction: float = 0.1
-    composition: common.Composition = "parallel"
+    composition: Composition = "parallel"
     sequential_mixture_share: float = 0.1
     model: ModelSpec = ModelSpec()
     proxy_model: ModelSpec | None = None
     proxy: TrainConfig
-    mixture: common.MixtureConfig
+    mixture: MixtureConfig
     pretrain: TrainConfig
     finetune: TrainConfig
     random_search_candidates: int = 4
@@ -157,10 +160,10 @@ class ImagePipelineConfig:
 
     def __post_init__(self) -> None:
         validation.check_delta(self.delta)
-        common.check_allow_large_delta(self.allow_large_delta)
+        check_allow_large_delta(self.allow_large_delta)
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
-        common.stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
+        stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
         if self.proxy.private or self.pretrain.private:
             raise ValueError("proxy and pretrain stages train on public data: private=False.")
         if not self.finetune.private:
@@ -264,9 +267,9 @@ def row_digests(source: Source, *, chunk: int = 1024) -> list[bytes]:
     return digests
 
 
-class ImagePipeline(common.MixturePipeline):
+class ImagePipeline(MixturePipeline):
     """DP-MixMin and its baselines on one `SharedInputTask` (`ImagePipelineConfig`), with stages
-    stored under `root` (see `common.MixturePipeline` for the arguments).
+    stored under `root` (see `MixturePipeline` for the arguments).
 
     Raises:
         ValueError: a patient-level config on a task whose train split has no patient ids
@@ -309,7 +312,7 @@ class ImagePipeline(common.MixturePipeline):
         """SHA-256 (hex) of every row of the public pool and the three sensitive splits
         (`row_digests`), their patient and user ids, and the task's label index.
 
-        Privacy: a digest of sensitive rows, kept owner-only (see `common.MixturePipeline`).
+        Privacy: a digest of sensitive rows, kept owner-only (see `MixturePipeline`).
         """
         digest = hashlib.sha256(f"task_index/{self.task.task_index}".encode())
         for split in ("public", "train", "val", "test"):
@@ -318,7 +321,7 @@ class ImagePipeline(common.MixturePipeline):
             for row in row_digests(source):
                 digest.update(row)
             ids = {"group_ids": source.group_ids, "user_ids": source.user_ids}
-            digest.update(common.canonical_json(ids).encode())
+            digest.update(canonical_json(ids).encode())
         return digest.hexdigest()
 
     # ------------------------------------------------------------------ stages
@@ -400,7 +403,7 @@ class ImagePipeline(common.MixturePipeline):
         model = self.config.model.build(self.task.image_shape, 1, seed=seed)
         if weights is None:
             return model
-        name = f"pretrain_{common.weights_key(weights)}"
+        name = f"pretrain_{weights_key(weights)}"
         return self._fit_public(
             name, seed, self.config.pretrain, model, losses.mixture_bce(weights)
         )

@@ -7,8 +7,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from dpmix_jax.data import builtin
-from dpmix_jax.pipeline import common
 from dpmix_jax.pipeline.image import ImagePipelineConfig, ModelSpec, SharedInputTask
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
 from dpmix_jax.train import TrainConfig
 
 
@@ -60,7 +60,7 @@ def image_demo_config(**overrides) -> ImagePipelineConfig:
         mix_fraction=0.3,
         model=ModelSpec(kind="mlp", mlp_hidden=(64,)),
         proxy=TrainConfig(steps=300, batch_size=128, learning_rate=3e-3, **quiet),
-        mixture=common.MixtureConfig(steps=100, batch_size=120, clip_norm=5.0, learning_rate=0.4),
+        mixture=MixtureConfig(steps=100, batch_size=120, clip_norm=5.0, learning_rate=0.4),
         pretrain=TrainConfig(steps=300, batch_size=128, learning_rate=3e-3, **quiet),
         finetune=TrainConfig(
             steps=60,

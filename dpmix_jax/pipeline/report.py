@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dpmix_jax.pipeline import common, compare, numbers
+from dpmix_jax.pipeline import compare, numbers
+from dpmix_jax.pipeline.results import METHODS
 from dpmix_jax.privacy.accounting import format_epsilon
 
 MARKER = re.compile(
@@ -64,7 +65,7 @@ def _weights(results: dict[str, Any], source: str) -> str:
         "| method | " + " | ".join(f"ε = {e:g}" for e in epsilons) + " |",
         "|---|" + "---|" * len(epsilons),
     ]
-    for method in common.METHODS:
+    for method in METHODS:
         rows = [table.get((method, eps), {}) for eps in epsilons]
         if not any("cosine_true" in row for row in rows):
             continue

@@ -1,7 +1,7 @@
 """DP-MixMin end to end for tabular sources with their own rows (`data.tabular.TabularTask`).
 
 Each of the k public sources is a table of (features, label) rows sharing the sensitive task's
-label; the stages are those of `common.MixturePipeline`:
+label; the stages are those of `MixturePipeline`:
 
 1. split the sensitive train split into disjoint D_mix (fraction ρ) and D_ft (keyed by the row's
    index in the original table);
@@ -39,8 +39,18 @@ from flax import nnx
 from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.data.tabular import TabularTask
 from dpmix_jax.mixing import dp_mixmin
-from dpmix_jax.pipeline import common
+from dpmix_jax.pipeline.budget import (
+    Composition,
+    budget_from_json,
+    budget_to_json,
+    check_allow_large_delta,
+)
 from dpmix_jax.pipeline.image import ModelSpec, row_digests
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
+from dpmix_jax.pipeline.mixture_pipeline import MixturePipeline
+from dpmix_jax.pipeline.results import RunResult
+from dpmix_jax.pipeline.splits import derived_seed
+from dpmix_jax.pipeline.stage_store import canonical_json, epsilon_name, weights_key
 from dpmix_jax.privacy import accounting, randomness, validation
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.proxies import nll_matrix
@@ -105,11 +115,11 @@ class TabularPipelineConfig:
     delta: float = 1e-5
     allow_large_delta: bool = False
     mix_fraction: float = 0.3
-    composition: common.Composition = "parallel"
+    composition: Composition = "parallel"
     sequential_mixture_share: float = 0.1
     model: ModelSpec = ModelSpec(kind="mlp", mlp_hidden=(32,))
     proxy: TrainConfig
-    mixture: common.MixtureConfig
+    mixture: MixtureConfig
     pretrain: TrainConfig
     finetune: TrainConfig
     density_ratio: DensityRatioConfig = DensityRatioConfig()
@@ -119,7 +129,7 @@ class TabularPipelineConfig:
 
     def __post_init__(self) -> None:
         validation.check_delta(self.delta)
-        common.check_allow_large_delta(self.allow_large_delta)
+        check_allow_large_delta(self.allow_large_delta)
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
         if self.composition != "parallel":
@@ -192,9 +202,9 @@ def ratio_row_weights(
     return ratio / totals[source_ids]
 
 
-class TabularPipeline(common.MixturePipeline):
+class TabularPipeline(MixturePipeline):
     """DP-MixMin, its baselines and the density-ratio variant on one `TabularTask`, with stages
-    stored under `root` (see `common.MixturePipeline` for the arguments)."""
+    stored under `root` (see `MixturePipeline` for the arguments)."""
 
     higher_is_better = True
     task: TabularTask
@@ -215,7 +225,7 @@ class TabularPipeline(common.MixturePipeline):
     def data_digest(self) -> str:
         """SHA-256 (hex) of every row of the sources and sensitive splits with their table ids.
 
-        Privacy: a digest of sensitive rows, kept owner-only (see `common.MixturePipeline`).
+        Privacy: a digest of sensitive rows, kept owner-only (see `MixturePipeline`).
         """
         digest = hashlib.sha256(b"tabular")
         splits = {f"source{i}": s for i, s in enumerate(self.task.sources)}
@@ -224,7 +234,7 @@ class TabularPipeline(common.MixturePipeline):
             digest.update(f"/{name}/{len(source)}/".encode())
             for row in row_digests(source):
                 digest.update(row)
-            digest.update(common.canonical_json({"group_ids": source.group_ids}).encode())
+            digest.update(canonical_json({"group_ids": source.group_ids}).encode())
         return digest.hexdigest()
 
     def split_unit_ids(self) -> np.ndarray:
@@ -241,7 +251,7 @@ class TabularPipeline(common.MixturePipeline):
         result = fit(
             trainer,
             data,
-            rng=np.random.default_rng(common.derived_seed(seed, name)),
+            rng=np.random.default_rng(derived_seed(seed, name)),
             checkpointer=checkpointer,
             on_step=self._on_step,
         )
@@ -250,7 +260,7 @@ class TabularPipeline(common.MixturePipeline):
 
     def _new_model(self, seed: int, *names: object) -> nnx.Module:
         return self.config.model.build(
-            (self.task.num_features,), 1, seed=common.derived_seed(seed, *names) % 2**31
+            (self.task.num_features,), 1, seed=derived_seed(seed, *names) % 2**31
         )
 
     def proxies(self, seed: int) -> list[nnx.Module]:
@@ -318,10 +328,10 @@ class TabularPipeline(common.MixturePipeline):
         probabilities = np.asarray(weights, np.float64)[source_ids] * row_weights
         probabilities /= probabilities.sum()
         count = self.config.pretrain_pool_factor * len(public)
-        rng = np.random.default_rng(common.derived_seed(seed, "pretrain_draw"))
+        rng = np.random.default_rng(derived_seed(seed, "pretrain_draw"))
         drawn = rng.choice(len(public), size=count, p=probabilities)
         data = IndexedData(gather=_rows_gather(public, drawn), num_examples=count)
-        name = name or f"pretrain_{common.weights_key(weights)}"
+        name = name or f"pretrain_{weights_key(weights)}"
         return self._fit_public(name, seed, self.config.pretrain, model, data)
 
     def finetune_trainer(
@@ -387,7 +397,7 @@ class TabularPipeline(common.MixturePipeline):
         mechanisms' executed events and its ε is the stage's. Their noise and sampling are
         private streams named by this stage and ε.
         """
-        name = f"mixture_ratio_parallel_eps{common.epsilon_name(epsilon)}"
+        name = f"mixture_ratio_parallel_eps{epsilon_name(epsilon)}"
 
         def compute():
             plan = self.ratio_plan(epsilon, seed)
@@ -462,13 +472,13 @@ class TabularPipeline(common.MixturePipeline):
                 "plan": plan,
                 "classifier_epsilon": fitted.ledger.epsilon(self.config.delta, mixture.accountant),
                 "mixmin_epsilon": result.epsilon,
-                "spent": common.budget_to_json(spent),
+                "spent": budget_to_json(spent),
                 "ledger": ledger.state_dict(),
             }
 
         return self._store(seed).json(name, compute)
 
-    def run_density_ratio(self, epsilon: float, seed: int) -> common.RunResult:
+    def run_density_ratio(self, epsilon: float, seed: int) -> RunResult:
         """The shift-aware variant at target ε end to end (stored, so a rerun is free).
 
         Privacy: the D_mix side (domain classifier and DP-MixMin, composed) and the fine-tuning
@@ -476,7 +486,7 @@ class TabularPipeline(common.MixturePipeline):
         """
         validation.check_epsilon(epsilon)
         self.check_delta(seed)
-        name = f"run_{RATIO_METHOD}_parallel_eps{common.epsilon_name(epsilon)}"
+        name = f"run_{RATIO_METHOD}_parallel_eps{epsilon_name(epsilon)}"
 
         def compute():
             stage = self.density_ratio_mixture(epsilon, seed)
@@ -485,16 +495,16 @@ class TabularPipeline(common.MixturePipeline):
             row_weights = ratio_row_weights(
                 stage["log_ratio"], source_ids, self.config.density_ratio.max_log_ratio
             )
-            key = f"ratio_{common.weights_key(weights)}_eps{common.epsilon_name(epsilon)}"
+            key = f"ratio_{weights_key(weights)}_eps{epsilon_name(epsilon)}"
             init = self.pretrained(weights, seed, row_weights=row_weights, name=f"pretrain_{key}")
             model, finetune_budget = self.finetune(init, key, "ft", epsilon, seed)
             stages = {
-                "mixture": common.budget_from_json(stage["spent"]),
+                "mixture": budget_from_json(stage["spent"]),
                 "finetune": finetune_budget,
             }
             # Kish's effective sample size of the reweighted rows, summed over the sources.
             effective = np.sum(1.0 / np.bincount(source_ids, weights=row_weights**2))
-            return common.RunResult(
+            return RunResult(
                 method=RATIO_METHOD,
                 epsilon=epsilon,
                 delta=self.config.delta,
@@ -515,4 +525,4 @@ class TabularPipeline(common.MixturePipeline):
                 },
             ).to_json()
 
-        return common.RunResult.from_json(self._store(seed).json(name, compute))
+        return RunResult.from_json(self._store(seed).json(name, compute))

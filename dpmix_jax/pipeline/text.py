@@ -22,7 +22,7 @@ stored so that a rerun skips it:
 The end-to-end budget is the parallel composition of stages 4 and 6 (disjoint users), or with
 `composition="sequential"` both stages run on the whole train split with ε split between them and
 the end-to-end ε is the accountant's for both stages' events composed. Baselines run through
-the same stages (see `common.METHOD_NOTES`).
+the same stages (see `results.METHOD_NOTES`).
 
 API (the task and its adapters live in `text_data` and are re-exported here):
     DomainTextTask, from_builtin, from_user_documents, from_enron, from_document_files,
@@ -52,7 +52,11 @@ from dpmix_jax.data.text import document_tokens, pack_sequences
 from dpmix_jax.data.tokenizer import TextTokenizer, gpt2_tokenizer, train_bpe_tokenizer
 from dpmix_jax.models import lora
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config, trainable_mask
-from dpmix_jax.pipeline import common
+from dpmix_jax.pipeline.budget import Composition, check_allow_large_delta, stage_epsilons
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
+from dpmix_jax.pipeline.mixture_pipeline import MixturePipeline
+from dpmix_jax.pipeline.splits import derived_seed
+from dpmix_jax.pipeline.stage_store import StageStore, weights_key
 from dpmix_jax.pipeline.text_data import (
     DomainTextTask,
     documents_as_units,
@@ -157,7 +161,7 @@ class TextPipelineConfig:
     allow_large_delta: bool = False
     level: Level = "user"
     mix_fraction: float = 0.3
-    composition: common.Composition = "parallel"
+    composition: Composition = "parallel"
     sequential_mixture_share: float = 0.1
     tokenizer: TokenizerKind = "bpe"
     vocab_size: int = 512
@@ -165,7 +169,7 @@ class TextPipelineConfig:
     model: LanguageModelSpec
     proxy: TrainConfig
     shared_proxies: bool = False
-    mixture: common.MixtureConfig
+    mixture: MixtureConfig
     pretrain: TrainConfig
     finetune: TrainConfig
     finetune_last_blocks: int | None = None
@@ -175,12 +179,12 @@ class TextPipelineConfig:
 
     def __post_init__(self) -> None:
         validation.check_delta(self.delta)
-        common.check_allow_large_delta(self.allow_large_delta)
+        check_allow_large_delta(self.allow_large_delta)
         if self.level not in ("user", "example"):
             raise ValueError(f"level must be 'user' or 'example', got {self.level!r}.")
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
-        common.stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
+        stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
         if self.tokenizer not in ("bpe", "gpt2"):
             raise ValueError(f"tokenizer must be 'bpe' or 'gpt2', got {self.tokenizer!r}.")
         if self.tokenizer == "bpe" and not (
@@ -262,7 +266,7 @@ def _scored_documents(token_lists: Sequence[Sequence[int]], *, seq_len: int, eos
 # ------------------------------------------------------------------------------------------
 
 
-class TextPipeline(common.MixturePipeline):
+class TextPipeline(MixturePipeline):
     """DP-MixMin and its baselines on one `DomainTextTask`, with stages stored under `root`.
 
     Args:
@@ -273,7 +277,7 @@ class TextPipeline(common.MixturePipeline):
         on_stage: called with a stage name whenever a stage is computed (not when it is loaded);
             for progress reports and tests.
         reproducible: seed the private randomness from each run's seed (see
-            `common.MixturePipeline`); default secret.
+            `MixturePipeline`); default secret.
     """
 
     def __init__(
@@ -348,7 +352,7 @@ class TextPipeline(common.MixturePipeline):
         """SHA-256 (hex) of every public domain's documents and every sensitive split's
         documents with their authors.
 
-        Privacy: a digest of sensitive documents, kept owner-only (see `common.MixturePipeline`).
+        Privacy: a digest of sensitive documents, kept owner-only (see `MixturePipeline`).
         """
         digest = hashlib.sha256()
 
@@ -393,7 +397,7 @@ class TextPipeline(common.MixturePipeline):
             self._on_stage(stage)
         _, params, _, _ = split_model(model)
         start = TrainState(jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params))
-        rng = np.random.default_rng(common.derived_seed(seed, directory.name))
+        rng = np.random.default_rng(derived_seed(seed, directory.name))
         result = fit(
             trainer, data, rng=rng, state=start, checkpointer=checkpointer, on_step=self._on_step
         )
@@ -405,7 +409,7 @@ class TextPipeline(common.MixturePipeline):
         own set, or with `shared_proxies` the set of seed 0 under `proxies/` in the settings
         folder)."""
         if self.config.shared_proxies:
-            seed, store = 0, common.StageStore(self.settings_folder() / "proxies")
+            seed, store = 0, StageStore(self.settings_folder() / "proxies")
         else:
             store = self._store(seed)
         spec = self.config.proxy_model
@@ -419,9 +423,7 @@ class TextPipeline(common.MixturePipeline):
             data = IndexedData(
                 gather=_row_gather(packed.tokens, packed.mask), num_examples=len(packed.tokens)
             )
-            model = spec.build(
-                self.tokenizer.vocab_size, seed=common.derived_seed(seed, "proxy", domain)
-            )
+            model = spec.build(self.tokenizer.vocab_size, seed=derived_seed(seed, "proxy", domain))
             models.append(
                 self._fit_public("proxy", store.path(f"proxy_{index}"), seed, trainer, model, data)
             )
@@ -482,8 +484,8 @@ class TextPipeline(common.MixturePipeline):
         spec = self.config.model
         vocab = self.tokenizer.vocab_size
         if weights is None:
-            return spec.build(vocab, seed=common.derived_seed(seed, "model"), load=False)
-        model = spec.build(vocab, seed=common.derived_seed(seed, "model"))
+            return spec.build(vocab, seed=derived_seed(seed, "model"), load=False)
+        model = spec.build(vocab, seed=derived_seed(seed, "model"))
         data = PackedMixture(
             self._public_tokens,
             weights,
@@ -492,7 +494,7 @@ class TextPipeline(common.MixturePipeline):
             eos_id=self.tokenizer.eos_id,
         )
         trainer = self._public_trainer("pretrain", self.config.pretrain, spec)
-        name = f"pretrain_{common.weights_key(weights)}"
+        name = f"pretrain_{weights_key(weights)}"
         directory = self._store(seed).path(name)
         return self._fit_public(name, directory, seed, trainer, model, data.batch)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dpmix_jax.data import builtin
 from dpmix_jax.models.gpt2 import GPT2Config
 from dpmix_jax.models.lora import LoraConfig
-from dpmix_jax.pipeline import common
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
 from dpmix_jax.pipeline.text import (
     DomainTextTask,
     LanguageModelSpec,
@@ -97,7 +97,7 @@ def text_demo_config(
     # On s = 100 alone, b = 8 matched b = 4, and C = 0.02 or 0.2 doubled the excess at ε = 1; the
     # earlier T = 50, b = 2, η·C = 0.05 gave 4.7e-3 with 18% left. The example level (the
     # OpenWebMath analogue) keeps its earlier T = 50, η = 1: the search was at user level only.
-    mixture = common.MixtureConfig(
+    mixture = MixtureConfig(
         steps=100 if user_level else 50,
         batch_size=4 if user_level else 20,
         clip_norm=0.05,

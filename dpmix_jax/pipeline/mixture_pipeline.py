@@ -1,21 +1,12 @@
-"""What every DP-MixMin pipeline shares: methods, settings, splits, stage storage and budgets.
+"""The stages every DP-MixMin pipeline shares (`MixturePipeline`): the split, the private mixture,
+DP fine-tuning, the five methods through them, stored runs and their composed budgets.
 
 A pipeline run is one (method, ε, seed) of one experiment. Its stages (split, proxy, mixture,
-pretraining, fine-tuning, evaluation) store their results under a run directory; a rerun finds
-them there and skips the work, so a killed pipeline resumes where it stopped and reports the same
-budget (training stages resume mid-run from their orbax checkpoints, see `train.checkpoint`).
-
-Stored stages are keyed by everything that determines them: they live under
-`root/<fingerprint of the data's content, full config, seed mode and code>/seed<N>/` and are named
-by stage, composition, method and exact ε, so other settings, other data (one changed label) or
-other code (one changed line of the package) never read them back. The folder name is keyed by
-`root/store_key` (owner-only), so it says nothing about the data to whoever can list `root`.
-
-Everything under a settings folder is owner-only (folders 0700, files 0600): the split, the run's
-secret, the proxy outputs and the running checkpoints reveal sensitive data, sampling or noise.
-Every stage JSON holds the SHA-256 of its result; a file that does not match (edited, truncated)
-is refused with one line naming it, never reused. A finished fine-tuning stage keeps only its
-parameters and ledger (`final/`); its running checkpoints (noise key, sampler) are deleted.
+pretraining, fine-tuning, evaluation) store their results under a run directory (see
+`stage_store`); a rerun finds them there and skips the work, so a killed pipeline resumes where it
+stopped and reports the same budget (training stages resume mid-run from their orbax checkpoints,
+see `train.checkpoint`). A finished fine-tuning stage keeps only its parameters and ledger
+(`final/`); its running checkpoints (noise key, sampler) are deleted.
 """
 
 from __future__ import annotations
@@ -31,441 +22,34 @@ import pathlib
 import secrets
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 
-import dpmix_jax
 from dpmix_jax import interrupt, parallel
-from dpmix_jax.mixing import DEFAULT_SHIFT, dp_mixmin, mixmin
+from dpmix_jax.mixing import dp_mixmin, mixmin
 from dpmix_jax.pipeline import folders
-from dpmix_jax.privacy import accounting, assign_parts, plan, randomness, validation
-from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping
-from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
-from dpmix_jax.train.checkpoint import json_checksum
-
-Method = Literal["dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin"]
-METHODS: tuple[Method, ...] = (
-    "dp_mixmin",
-    "uniform",
-    "random_init",
-    "random_search",
-    "nonprivate_mixmin",
+from dpmix_jax.pipeline.budget import (
+    budget_from_json,
+    budget_to_json,
+    end_to_end_budget,
+    stage_epsilons,
 )
-Composition = Literal["parallel", "sequential"]
-
-# What each method reads of the sensitive train split, and whether its λ is private.
-METHOD_NOTES: Mapping[str, str] = {
-    "dp_mixmin": "λ by DP-MixMin on D_mix, pretrain on λ, DP fine-tune on D_ft (disjoint)",
-    "uniform": "λ = 1/k, pretrain on λ, DP fine-tune on all of the train split",
-    "random_init": "no pretraining, DP fine-tune on all of the train split",
-    "random_search": (
-        "Dirichlet(1) candidates, each pretrained and DP fine-tuned on D_ft; the best is picked "
-        "on the validation split NON-PRIVATELY (overstates what a private search achieves)"
-    ),
-    "nonprivate_mixmin": (
-        "λ by exact MixMin on D_mix (NOT private: an upper bound), DP fine-tune on all of train"
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MixtureConfig:
-    """Public settings of the DP-MixMin stage (see `mixing.dp_mixmin`).
-
-    Attributes:
-        steps: T, mirror-descent (or Frank-Wolfe) steps.
-        batch_size: expected examples (or users, at user level) per step.
-        clip_norm: C of the per-unit λ-gradient.
-        learning_rate: η (None for Frank-Wolfe).
-        solver: "mirror_descent" or "frank_wolfe".
-        shift: per-example gradient shift before clipping.
-        max_examples_per_user: G for user-level runs.
-        accountant: "pld" or "rdp".
-        nonprivate_steps: steps of the exact (non-private) MixMin baseline.
-        noise: "independent" (default) or "bandmf" (correlated noise, cyclic Poisson sampling;
-            see `mixing.dp_mixmin`).
-        bands: b for noise="bandmf" (1 <= b <= steps).
-        adaptive_clipping: None, or adaptive clipping of the λ-gradients (`clip_norm` is then
-            the initial C; same σ and ε, see `privacy.adaptive_clipping`).
-    """
-
-    steps: int
-    batch_size: float
-    clip_norm: float
-    learning_rate: float | None
-    solver: str = "mirror_descent"
-    shift: str = DEFAULT_SHIFT
-    max_examples_per_user: int | None = None
-    accountant: accounting.Accountant = "pld"
-    nonprivate_steps: int = 300
-    noise: plan.Noise = "independent"
-    bands: int | None = None
-    adaptive_clipping: AdaptiveClipping | None = None
-
-    def __post_init__(self) -> None:
-        validation.check_steps(self.steps)
-        plan.check_noise_settings(self.noise, self.bands, self.steps)
-        validation.check_steps(self.nonprivate_steps, "nonprivate_steps")
-        validation.check_positive(self.batch_size, "batch_size")
-        validation.check_positive(self.clip_norm, "clip_norm")
-        if self.solver not in ("mirror_descent", "frank_wolfe"):
-            raise ValueError(
-                f"solver must be 'mirror_descent' or 'frank_wolfe', got {self.solver!r}."
-            )
-        if (self.learning_rate is None) != (self.solver == "frank_wolfe"):
-            raise ValueError(
-                "learning_rate is required for mirror descent and unused by Frank-Wolfe."
-            )
-        if self.adaptive_clipping is not None and not isinstance(
-            self.adaptive_clipping, AdaptiveClipping
-        ):
-            raise ValueError(
-                f"adaptive_clipping must be None or an AdaptiveClipping, got "
-                f"{self.adaptive_clipping!r}."
-            )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RunResult:
-    """One (method, ε, seed) of an experiment.
-
-    Attributes:
-        method: one of `METHODS`.
-        epsilon: the target ε of the run.
-        delta: δ.
-        seed: the run's seed.
-        utility: the experiment's metric on the test split.
-        weights: the λ the run pretrained on (None for random init).
-        spent: the end-to-end (ε, δ) the accountants report for what ran.
-        stages: per-stage spent budgets ("mixture", "finetune").
-        composition: how the stages' budgets were combined.
-        private: False when some choice used sensitive data without accounting (random search's
-            selection, non-private MixMin's λ).
-        seeded: True when the run's seed drove its private randomness (split, noise, sampling):
-            reproducible, and not private against anyone who knows the seed
-            (`privacy.SEEDED_NOTE`). False: the randomness was a secret from the operating
-            system and `seed` only numbers the repetition.
-        extra: method-specific details (validation scores of candidates, σ, ...).
-        allow_large_delta: True when the run accepted a δ >= 1/n for some private stage's n
-            units (the user's explicit override; such a δ protects nobody).
-    """
-
-    method: str
-    epsilon: float
-    delta: float
-    seed: int
-    utility: float
-    weights: list[float] | None
-    spent: accounting.PrivacyBudget
-    stages: Mapping[str, accounting.PrivacyBudget]
-    composition: Composition
-    private: bool
-    seeded: bool
-    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    allow_large_delta: bool = False
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunResult:
-        """The inverse of `to_json`."""
-        delta = float(data["delta"])
-        return cls(
-            method=data["method"],
-            epsilon=data["epsilon"],
-            delta=delta,
-            seed=data["seed"],
-            utility=data["utility"],
-            weights=data["weights"],
-            spent=accounting.PrivacyBudget(data["spent_epsilon"], data["spent_delta"]),
-            stages={
-                k: accounting.PrivacyBudget(v, delta) for k, v in data["stage_epsilons"].items()
-            },
-            composition=data["composition"],
-            private=data["private"],
-            seeded=data.get("noise_seeded", True),  # results stored before secret randomness
-            extra=data["extra"],
-            allow_large_delta=data.get("allow_large_delta", False),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "epsilon": self.epsilon,
-            "delta": self.delta,
-            "seed": self.seed,
-            "utility": self.utility,
-            "weights": self.weights,
-            "spent_epsilon": self.spent.epsilon,
-            "spent_delta": self.spent.delta,
-            "stage_epsilons": {k: v.epsilon for k, v in self.stages.items()},
-            "composition": self.composition,
-            "private": self.private,
-            "noise_seeded": self.seeded,
-            "extra": dict(self.extra),
-            "allow_large_delta": self.allow_large_delta,
-        }
-
-
-def check_allow_large_delta(value: Any) -> None:
-    """Refuses an `allow_large_delta` setting that is not exactly True or False."""
-    if not isinstance(value, bool):
-        raise ValueError(f"allow_large_delta must be True or False, got {value!r}.")
-
-
-def stage_epsilons(
-    epsilon: float, composition: Composition, mixture_share: float
-) -> tuple[float, float]:
-    """Target ε of the mixture and fine-tuning stages for an end-to-end target ε.
-
-    Parallel composition (disjoint D_mix and D_ft): both stages get the whole ε. Sequential
-    composition (both stages on the same, unsplit data): ε_mix = share·ε, ε_ft = (1 - share)·ε
-    (the paper's sequential setting is share = 0.1). The split calibrates each stage's noise
-    by basic composition (the targets sum to ε); the reported end-to-end ε is the accountant's
-    for the composition of the two stages' events (`end_to_end_budget`), at most ε.
-    """
-    validation.check_epsilon(epsilon)
-    if composition == "parallel":
-        return epsilon, epsilon
-    if composition == "sequential":
-        if not 0 < mixture_share < 1:
-            raise ValueError(f"mixture_share must be in (0, 1), got {mixture_share!r}.")
-        return mixture_share * epsilon, (1 - mixture_share) * epsilon
-    raise ValueError(f"composition must be 'parallel' or 'sequential', got {composition!r}.")
-
-
-def end_to_end_budget(
-    ledgers: Mapping[str, accounting.PrivacyLedger],
-    composition: Composition,
-    *,
-    delta: float,
-    accountant: accounting.Accountant = "pld",
-) -> accounting.PrivacyBudget:
-    """The end-to-end (ε, δ) of a run's private stages, from their ledgers.
-
-    Parallel composition (stages on disjoint splits): (max ε, δ) of the stages' ε at δ.
-    Sequential composition (stages on the same data): the accountant's ε at δ of the
-    composition of all the stages' events (`accounting.compose_ledgers`), not the sum of their
-    ε. Both are computed by `accountant`.
-
-    Privacy: parallel composition needs the stages' data disjoint in the privacy unit.
-    """
-    if not ledgers:
-        raise ValueError("end_to_end_budget needs at least one stage ledger.")
-    if composition == "parallel":
-        return accounting.compose_parallel(
-            *(ledger.budget(delta, accountant) for ledger in ledgers.values())
-        )
-    if composition == "sequential":
-        return accounting.compose_ledgers(*ledgers.values()).budget(delta, accountant)
-    raise ValueError(f"composition must be 'parallel' or 'sequential', got {composition!r}.")
-
-
-def split_mixture(
-    unit_ids: Sequence[Any] | np.ndarray, mix_fraction: float, *, key: bytes | int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Disjoint (D_mix, D_ft) row positions: each unit's rows go to D_mix with probability ρ.
-
-    Args:
-        unit_ids: per row, the stable id of its privacy unit (the example's own id, or its
-            user's or patient's id: rows of one unit always land in the same part).
-        mix_fraction: ρ.
-        key: the part-assignment key (`privacy.assign_parts`).
-
-    Privacy: a unit's part is a keyed hash of its id alone (`privacy.assign_parts`), never a
-    function of the other units, so adding or removing a unit moves no other unit and the two
-    parts' budgets compose in parallel under add/remove.
-    """
-    if not 0 < mix_fraction < 1:
-        raise ValueError(f"mix_fraction (ρ) must be in (0, 1), got {mix_fraction!r}.")
-    parts = assign_parts(unit_ids, (mix_fraction, 1 - mix_fraction), key=key)
-    mix, ft = np.flatnonzero(parts == 0), np.flatnonzero(parts == 1)
-    if len(mix) == 0 or len(ft) == 0:
-        raise ValueError(
-            f"ρ = {mix_fraction} left a part of the {len(parts)} rows empty; change ρ."
-        )
-    return mix, ft
-
-
-def dirichlet_candidates(k: int, count: int, *, seed: int) -> np.ndarray:
-    """`count` mixture candidates λ ~ Dirichlet(1, ..., 1) over k sources (random search)."""
-    return np.random.default_rng(seed).dirichlet(np.ones(k), size=count)
-
-
-def derived_seed(seed: int, *names: object) -> int:
-    """A 32-bit seed for one named use of the run seed (a different stream per full name).
-
-    Every noisy stage derives its noise key and sampler seed from its own name, including the
-    target ε, so runs at different ε or from different initialisations never share noise.
-    """
-    text = "/".join(str(n) for n in (seed, *names))
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
-
-
-def weights_key(weights: np.ndarray | None) -> str:
-    """A short stable name for a λ (stage directories are shared between runs with equal λ)."""
-    if weights is None:
-        return "none"
-    rounded = np.round(np.asarray(weights, dtype=np.float64), 10)
-    return hashlib.sha256(rounded.tobytes()).hexdigest()[:12]
-
-
-def epsilon_name(epsilon: float) -> str:
-    """ε exactly as it is (`repr`), for stage names: 1.0000004 and 1 are different runs."""
-    return repr(float(epsilon))
-
-
-def canonical_json(value: Any, **kwargs: Any) -> str:
-    """`value` as JSON with sorted keys: dataclasses as their fields plus their type's name,
-    floats exact (repr), NumPy values and dtypes as lists and strings."""
-    return json.dumps(_canonical(value), sort_keys=True, **kwargs)
-
-
-def fingerprint(value: Any) -> str:
-    """SHA-256 (hex) of `canonical_json(value)`."""
-    return hashlib.sha256(canonical_json(value).encode()).hexdigest()
-
-
-def _canonical(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        return {"__type__": type(value).__qualname__, **fields}
-    if isinstance(value, Mapping):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_canonical(v) for v in value]
-    if isinstance(value, np.ndarray | np.generic):
-        return _canonical(value.tolist())
-    if isinstance(value, np.dtype | type):
-        return str(value)
-    if isinstance(value, pathlib.PurePath):
-        return str(value)
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    raise TypeError(f"cannot fingerprint a {type(value).__name__} setting: {value!r}")
-
-
-@functools.cache
-def code_fingerprint() -> str:
-    """SHA-256 (hex) of the package's source: every `.py` file under `dpmix_jax/`, by relative
-    path and bytes. Computed once per process; part of `MixturePipeline.settings`, so a stage
-    stored by other code is never read back (the version number does not change with a fix)."""
-    package = pathlib.Path(dpmix_jax.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
-        content = path.read_bytes()
-        digest.update(f"{path.relative_to(package).as_posix()}/{len(content)}/".encode())
-        digest.update(content)
-    return digest.hexdigest()
-
-
-class StageStore:
-    """JSON results of pipeline stages under one owner-only directory; computed once, then read
-    back after checking them.
-
-    Each `NAME.json` is the result with one more key, `"sha256"`: the checksum of the rest as
-    JSON with sorted keys (`train.checkpoint.json_checksum`).
-
-    Privacy: the results include the split and proxy outputs on sensitive rows; every folder is
-    0700 and every file 0600.
-    """
-
-    def __init__(self, root: str | os.PathLike):
-        self.root = folders.private_folder(root)
-
-    def path(self, *parts: str) -> pathlib.Path:
-        """An owner-only sub-directory for a stage's own files (checkpoints), created if needed."""
-        return folders.private_folder(self.root.joinpath(*parts))
-
-    def json(
-        self,
-        name: str,
-        compute: Callable[[], Mapping[str, Any]],
-        check: Callable[[Mapping[str, Any]], None] | None = None,
-    ) -> dict[str, Any]:
-        """The stored result `name`, or `compute()` written atomically and returned.
-
-        Args:
-            name: the stage's file name, without `.json`.
-            compute: what computes the result when none is stored.
-            check: raises a ValueError (without the path) for a result that is not valid.
-
-        Raises:
-            ValueError: the stored file cannot be read, does not match its checksum, or fails
-                `check`: one line naming it and saying to delete it to recompute.
-            OSError: the result cannot be written (`folders.write_private`).
-        """
-        target = self.root / f"{name}.json"
-        if parallel.agree(target.exists()):  # one decision for all processes of a run
-            return self._read(target, check)
-        result = json.loads(json.dumps(dict(compute()), default=_json_default))
-        content = {**result, "sha256": json_checksum(result)}
-        parallel.on_main_process(  # a multi-process run: process 0 writes, all wait
-            lambda: folders.write_private(target, json.dumps(content, indent=1))
-        )
-        return self._read(target, check)
-
-    @staticmethod
-    def _read(
-        target: pathlib.Path, check: Callable[[Mapping[str, Any]], None] | None
-    ) -> dict[str, Any]:
-        def refuse(problem: str) -> ValueError:
-            return ValueError(f"stage file {target} {problem}; delete it to recompute the stage")
-
-        try:
-            content = json.loads(target.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise refuse(f"cannot be read ({err})") from err
-        if not isinstance(content, dict):
-            raise refuse("is not a stage result")
-        expected = content.pop("sha256", None)
-        if json_checksum(content) != expected:
-            raise refuse("does not match its checksum (edited or damaged)")
-        if check is not None:
-            try:
-                check(content)
-            except (KeyError, TypeError, ValueError) as err:
-                raise refuse(f"is not valid ({err})") from err
-        return content
-
-
-def use_compilation_cache(directory: str | os.PathLike) -> None:
-    """Points JAX's persistent compilation cache (a process-wide setting) at `directory`, unless
-    one is configured already: pipeline runs whose training steps share shapes and σ then compile
-    once across runs and across reruns."""
-    import jax
-
-    if jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(directory).absolute()))
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"cannot store {type(value).__name__} as JSON")
-
-
-def budget_to_json(budget: accounting.PrivacyBudget) -> dict[str, float]:
-    return {"epsilon": budget.epsilon, "delta": budget.delta}
-
-
-def budget_from_json(data: Mapping[str, float]) -> accounting.PrivacyBudget:
-    return accounting.PrivacyBudget(float(data["epsilon"]), float(data["delta"]))
-
-
-class ProgressListener(Protocol):
-    """What a progress display hears from a pipeline (see `MixturePipeline.add_listener`)."""
-
-    def stage(self, name: str) -> None:
-        """A stage (split, proxy, mixture, pretrain, finetune, ...) starts computing."""
-
-    def step(self, done: int, total: int) -> None:
-        """A training step of the current stage finished."""
-
-    def reused(self, name: str) -> None:
-        """A finished run was read back from the stage store instead of computed."""
+from dpmix_jax.pipeline.progress import ProgressListener
+from dpmix_jax.pipeline.results import METHODS, Method, RunResult
+from dpmix_jax.pipeline.splits import derived_seed, dirichlet_candidates, split_mixture
+from dpmix_jax.pipeline.stage_store import (
+    StageStore,
+    canonical_form,
+    canonical_json,
+    code_fingerprint,
+    epsilon_name,
+    fingerprint,
+    weights_key,
+)
+from dpmix_jax.privacy import accounting, randomness, validation
+from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, TrainState, fit
 
 
 class MixturePipeline(abc.ABC):
@@ -595,7 +179,7 @@ class MixturePipeline(abc.ABC):
         """The full config without the composition: every stage that depends on the
         composition has it in its name, so the stages that do not (tokenizer, proxies,
         pretraining) are shared by both compositions."""
-        config = _canonical(self.config)
+        config = canonical_form(self.config)
         config.pop("composition")
         return config
 
