@@ -257,6 +257,19 @@ def test_stored_run_is_the_cpu_preset_and_its_table(stored):
     assert page == ablations.markdown(config, stored) + "\n"
 
 
+def test_the_plot_draws_from_the_stored_run_alone(stored, tmp_path):
+    ablations.plot(stored, tmp_path / "hot_pate_ablations.png")
+    assert (tmp_path / "hot_pate_ablations.png").stat().st_size > 10_000
+
+
+def test_presets_are_the_commands_choices():
+    assert list(configs.PRESETS) == ["cpu", "tiny"]
+    for name in configs.PRESETS:
+        assert isinstance(configs.get_config(name), configs.AblationsConfig)
+    flags = {a.dest: a for a in ablations.cli.parser()._actions}
+    assert flags["preset"].choices == tuple(configs.PRESETS) and flags["preset"].default == "cpu"
+
+
 def test_coordination_advantage_grows_with_temperature(stored):
     """The paper: Hot PATE's advantage grows with diversity (temperature): at every k the ratio
     of the thresholds the two samplers pass is larger at the hottest than at the coldest t."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,10 +15,13 @@ from dpmix_jax.data.builtin import load_text_mixture_task
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
 from dpmix_jax.privacy import SEEDED_NOTE
+from dpmix_jax.synthesis import public_models
 from experiments import hot_pate
 from experiments.configs.hot_pate import get_config
+from experiments.harness import finish
 
 CONFIG = get_config("tiny")
+STORED = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "hot_pate.json"
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,8 @@ def task():
 @pytest.fixture(scope="module")
 def result(task, tmp_path_factory):
     result = hot_pate.run_experiments(CONFIG, task, reproducible=True)
-    out = hot_pate.write_report(result, tmp_path_factory.mktemp("hot_pate"))
+    out = tmp_path_factory.mktemp("hot_pate")
+    finish(out, result, hot_pate.markdown(result), name="hot_pate", plots=hot_pate.plots(result))
     return result, out
 
 
@@ -158,6 +163,30 @@ def test_report_files(result):
     assert saved["noise_seeded"] is True and SEEDED_NOTE in text
     assert (out / "natural.png").stat().st_size > 0
     assert (out / "diversity_n32.png").stat().st_size > 0
+    files = {"hot_pate.json", "hot_pate.md", "natural.png", "diversity_n32.png"}
+    assert {p.name for p in out.iterdir()} == files
+
+
+def test_plots_follow_the_parts_that_ran_and_draw_from_the_stored_run(tmp_path):
+    assert hot_pate.plots({"parts": ["guarantees"]}) == {}
+    stored = json.loads(STORED.read_text())
+    plots = hot_pate.plots(stored)
+    assert set(plots) == {"diversity_n128.png", "diversity_n512.png", "natural.png"}
+    for name, plot in plots.items():
+        plot(stored, tmp_path / name)
+        assert (tmp_path / name).stat().st_size > 10_000
+
+
+def test_parts_outside_the_four_end_like_a_bad_option(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        hot_pate.cli(["--preset", "tiny", "--parts", "natural,nope", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(
+        "error: --parts must list some of diversity,guarantees,natural,generation,"
+        " got 'natural,nope'"
+    )
+    assert not any(tmp_path.iterdir())
 
 
 def test_guarantee_table_meets_the_theorem_for_coordinated_tws(result):
@@ -174,7 +203,7 @@ def test_guarantee_table_meets_the_theorem_for_coordinated_tws(result):
 
 def test_public_split_holds_out_every_kth_document_of_each_domain():
     domains = [[f"a{i}" for i in range(7)], [f"b{i}" for i in range(3)]]
-    train, heldout = hot_pate.split_public(domains, every=3)
+    train, heldout = public_models.split_public(domains, every=3)
     assert heldout == [["a2", "a5"], ["b2"]]
     assert train == [["a0", "a1", "a3", "a4", "a6"], ["b0", "b1"]]
 
@@ -183,7 +212,7 @@ def test_heldout_perplexity_of_an_untrained_model_is_about_the_vocabulary_size(t
     # Initial GPT-2 logits are nearly uniform: perplexity ~ V (an independent check of the sum).
     model = GPT2(GPT2Config.tiny(vocab_size=tokenizer.vocab_size, n_positions=16), rngs=nnx.Rngs(0))
     docs = ["Hello there. How are you?\nFine, thanks!"] * 6
-    perplexity = hot_pate.heldout_perplexity(model, tokenizer, docs, seq_len=16)
+    perplexity = public_models.heldout_perplexity(model, tokenizer, docs, seq_len=16)
     assert 0.8 * tokenizer.vocab_size < perplexity < 1.25 * tokenizer.vocab_size
 
 

@@ -12,7 +12,11 @@ from flax import nnx
 
 from dpmix_jax.models import lora
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate.finetuned import FineTunedTeachers, TeacherTuning, finetune_teachers
+from dpmix_jax.synthesis.finetuned_teachers import (
+    FineTunedTeachers,
+    TeacherTuning,
+    finetune_teachers,
+)
 
 CONTEXT, END = [1], [2]
 DOCUMENTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [5, 6, 7, 8], [14, 15, 16], [17]]

@@ -12,7 +12,7 @@ from flax import nnx
 
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate import quality
+from dpmix_jax.synthesis import quality
 
 SPORT = [
     "goal",

@@ -1,4 +1,4 @@
-"""Private synthetic text (`pate.synthesize`, `pate.public`) and `dpmix generate`, on a tiny
+"""Private synthetic text (`synthesis`, `synthesis.public_models`) and `dpmix generate`, on a tiny
 GPT-2 saved locally in the transformers format with a locally trained tokenizer."""
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import pytest
 from flax import nnx
 from scipy import optimize, stats
 
-from dpmix_jax import cli
+from dpmix_jax import cli, synthesis
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.pate import finetuned, public, synthesize
+from dpmix_jax.pate.method import Method
+from dpmix_jax.pate.partition import teacher_parts
 from dpmix_jax.privacy.parts import assign_parts
+from dpmix_jax.synthesis import finetuned_teachers, public_models
 
 TEXTS = [
     f"Meeting {i} moved to room {i % 7}. Please bring the report on item {i}." for i in range(24)
@@ -43,7 +45,7 @@ def model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(model_folder):
-    return public.load_public_model(model_folder)
+    return public_models.load_public_model(model_folder)
 
 
 def _docs(with_users: bool = True) -> list[dict]:
@@ -63,7 +65,7 @@ def _run(model, **overrides):
         key=jax.random.key(7),
         stop_at_newline=False,
     )
-    return synthesize.synthesize(_docs(), model, **{**settings, **overrides})
+    return synthesis.synthesize(_docs(), model, **{**settings, **overrides})
 
 
 def _gaussian_epsilon(sigma: float, delta: float) -> float:
@@ -89,8 +91,8 @@ def test_transformers_folder_loads_with_its_weights_and_tokenizer(model_folder, 
 
 
 def test_stored_model_reads_back_the_same(model, tmp_path):
-    public.save_public_model(model, tmp_path / "stored")
-    again = public.load_public_model(tmp_path / "stored")
+    public_models.save_public_model(model, tmp_path / "stored")
+    again = public_models.load_public_model(tmp_path / "stored")
     ids = jnp.asarray([model.tokenizer.encode("Meeting 3 moved")])
     np.testing.assert_array_equal(again.model(ids), model.model(ids))
     assert again.tokenizer.encode("room 5") == model.tokenizer.encode("room 5")
@@ -133,7 +135,7 @@ def test_dpws_epsilon_and_delta_are_the_laplace_composition_plus_per_call_delta(
 
 def test_a_user_field_makes_users_the_units(model):
     docs = _docs()
-    parts = synthesize.teacher_parts(docs, 3, key=b"secret")
+    parts = teacher_parts(docs, 3, key=b"secret")
     teacher = np.empty(len(docs), int)
     for t, part in enumerate(parts):
         teacher[part] = t
@@ -143,7 +145,7 @@ def test_a_user_field_makes_users_the_units(model):
     np.testing.assert_array_equal(teacher, expected)
     result = _run(model, num_samples=1)
     assert (result.unit, result.num_units) == ("users", 6)
-    plain = synthesize.synthesize(
+    plain = synthesis.synthesize(
         _docs(with_users=False), model, epsilon=2.0, delta=1e-5, num_samples=1,
         max_new_tokens=2, key=jax.random.key(0), num_teachers=4,
     )  # fmt: skip
@@ -170,7 +172,7 @@ def test_a_key_makes_the_run_reproducible(model):
         ({"max_new_tokens": 70}, "leave no room for documents"),
         ({"separator": ""}, "separator must be a non-empty string"),
         ({"teachers": "distilled"}, "teachers must be one of in_context, fine_tuned"),
-        ({"tuning": finetuned.TeacherTuning()}, "tuning applies to teachers='fine_tuned'"),
+        ({"tuning": finetuned_teachers.TeacherTuning()}, "tuning applies to teachers='fine_tuned'"),
     ],
 )
 def test_bad_settings_give_one_line(model, change, message):
@@ -186,7 +188,7 @@ def test_bad_settings_give_one_line(model, change, message):
         ([{"text": "the same"}, {"text": "the same"}], "only one unit"),
         (
             [{"text": "x " * 200}, {"text": "short"}],
-            r"document 0 has \d+ tokens; the model.s context of 64",
+            r"document 0 has \d+ tokens; a teacher's context of 48 tokens",
         ),
         ([{"text": "a", "user": "u"}, {"text": "b"}], "document 1 has no user"),
         ([{"text": "a", "user": 1.5}, {"text": "b", "user": 2}], "user must be a string"),
@@ -196,7 +198,7 @@ def test_bad_settings_give_one_line(model, change, message):
 )
 def test_bad_documents_give_one_line_naming_the_document(model, documents, message):
     with pytest.raises(ValueError, match=message) as err:
-        synthesize.synthesize(
+        synthesis.synthesize(
             documents, model, epsilon=1.0, delta=1e-5, num_samples=1, num_teachers=2
         )
     assert "\n" not in str(err.value)
@@ -206,7 +208,7 @@ def test_documents_load_from_txt_jsonl_and_parquet(tmp_path):
     (tmp_path / "a.txt").write_text("A whole file is one document.\nSecond line.")
     rows = [{"text": "first", "user": "u1"}, {"text": "second", "user": 2}]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    records = synthesize.load_documents(tmp_path)
+    records = synthesis.load_documents(tmp_path)
     assert [r["text"] for r in records] == [
         "A whole file is one document.\nSecond line.", "first", "second"
     ]  # fmt: skip
@@ -215,7 +217,7 @@ def test_documents_load_from_txt_jsonl_and_parquet(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["p1", "p2"], "user": ["x", "y"]}), tmp_path / "c.parquet")
-    loaded = synthesize.load_documents(tmp_path)
+    loaded = synthesis.load_documents(tmp_path)
     assert [(r["text"], r.get("user")) for r in loaded[3:]] == [("p1", "x"), ("p2", "y")]
 
 
@@ -233,43 +235,43 @@ def test_bad_document_folders_give_one_line_naming_the_file(tmp_path, files, mes
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     with pytest.raises(ValueError, match=message) as err:
-        synthesize.load_documents(tmp_path)
+        synthesis.load_documents(tmp_path)
     assert "\n" not in str(err.value)
 
 
 def test_model_folders_that_are_not_gpt2_name_what_is_missing(model_folder, tmp_path):
     with pytest.raises(ValueError, match="config.json .* is missing"):
-        public.load_public_model(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match="model_type is 'llama'; need a GPT-2"):
-        public.load_public_model(tmp_path)
+        public_models.load_public_model(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="model_type is 'bert'; need gpt2 or a Llama-family"):
+        public_models.load_public_model(tmp_path)
     config = json.loads((model_folder / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="no tokenizer: tokenizer.json, or vocab.json"):
-        public.load_public_model(tmp_path)
+        public_models.load_public_model(tmp_path)
     (tmp_path / "tokenizer.json").write_bytes((model_folder / "tokenizer.json").read_bytes())
     with pytest.raises(ValueError, match="holds none of model.safetensors"):
-        public.load_public_model(tmp_path)
+        public_models.load_public_model(tmp_path)
     with pytest.raises(ValueError, match="does not exist or is not a folder"):
-        public.load_public_model(tmp_path / "absent")
+        public_models.load_public_model(tmp_path / "absent")
 
 
 def test_text_default_model_is_trained_once_then_read_back(tmp_path):
-    settings = public.TextDefaultModel(
+    settings = public_models.TextDefaultModel(
         vocab_size=300, width=16, depth=1, heads=2, seq_len=32, train_steps=2, batch_size=4,
         max_public_per_domain=20,
     )  # fmt: skip
-    trained = public.text_default_model(tmp_path, settings)
+    trained = public_models.text_default_model(tmp_path, settings)
     (folder,) = tmp_path.iterdir()
     assert folder.name == f"public_model-{settings.key()}"
-    again = public.text_default_model(tmp_path, settings)
+    again = public_models.text_default_model(tmp_path, settings)
     ids = jnp.asarray([trained.tokenizer.encode("Dear team, the report")])
     np.testing.assert_array_equal(again.model(ids), trained.model(ids))
     assert again.model.config.n_embd == 16 and again.context_length == 32
 
 
 def test_text_default_documents_are_its_sentences_cut_to_max_chars():
-    documents = synthesize.text_default_documents(min_chars=20, max_chars=50)
+    documents = synthesis.text_default_documents(min_chars=20, max_chars=50)
     assert len(documents) > 1000
     assert all(20 <= len(d["text"]) <= 50 and "user" not in d for d in documents)
 
@@ -313,7 +315,7 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
         (["--num-samples", "0"], "argument --num-samples"),
         (["--epsilon", "500"], "argument --epsilon must be in [0.01, 100]"),
         (["--delta", "0.6"], "argument --delta = 0.6 >= 1/n"),
-        (["--model", "{tmp}"], "is not a GPT-2: config.json"),
+        (["--model", "{tmp}"], "holds no model: config.json"),
         (["--documents", "{tmp}"], "holds no documents"),
         (["--num-teachers", ""], "argument --num-teachers: required with --documents"),
         (["--tuning-steps", "3"], "argument --tuning-steps: applies to --teachers fine-tuned"),
@@ -343,22 +345,18 @@ def test_dpmix_generate_bad_input_is_one_line(tmp_path, capsys, extra, message):
 
 def test_the_public_fallback_sees_only_the_prompt():
     model = GPT2(GPT2Config.tiny(vocab_size=64, n_positions=16), rngs=nnx.Rngs(0))
-    fallback = public.make_public_model(model, [0, 5, 7])
+    fallback = public_models.make_public_model(model, [0, 5, 7])
     direct = model(jnp.asarray([[0, 5, 7, 9, 3]], jnp.int32))[0, -1]
     np.testing.assert_allclose(fallback([9, 3]), direct, rtol=1e-5, atol=1e-5)
-    # One compiled function for every prefix length, and for a second fallback of the model.
-    compiled = public._logits_at._cache_size()
     for length in range(6):
         prefix = list(range(1, length + 1))
         expected = model(jnp.asarray([[0, 5, 7, *prefix]], jnp.int32))[0, -1]
         np.testing.assert_allclose(fallback(prefix), expected, rtol=1e-5, atol=1e-5)
-    public.make_public_model(model, [1])([2, 3])
-    assert public._logits_at._cache_size() - compiled <= 1
-    with pytest.raises(ValueError, match="1 to 16"):
+    with pytest.raises(ValueError, match="more than the model's 16 positions"):
         fallback(list(range(14)))
 
 
-@pytest.mark.parametrize("method", synthesize.PEER_METHODS)
+@pytest.mark.parametrize("method", synthesis.PEER_METHODS)
 def test_peers_run_on_the_same_teachers_within_the_target(model, method):
     from dpmix_jax.pate.peers import amin, invisibleink, pmixed
 
@@ -390,10 +388,10 @@ def test_teachers_read_their_documents_each_followed_by_the_separator_then_the_p
 ):
     docs = [{"text": "Meeting 1 moved.", "user": "a"}, {"text": "Report due.", "user": "b"}]
     key = jax.random.key(3)
-    ensemble = synthesize.build_ensemble(
+    ensemble = synthesis.build_ensemble(
         docs, model, num_teachers=2, max_new_tokens=4, key=key, separator="\n\n", prompt=prompt
     )
-    parts = synthesize.teacher_parts(docs, 2, key=np.asarray(jax.random.key_data(key)).tobytes())
+    parts = teacher_parts(docs, 2, key=np.asarray(jax.random.key_data(key)).tobytes())
     tokenizer = model.tokenizer
     prefix = [*ensemble.prompt_ids, tokenizer.encode(" the")[0]]  # how a sample decodes
     logits = ensemble.teachers(prefix)
@@ -407,7 +405,7 @@ def test_teachers_read_their_documents_each_followed_by_the_separator_then_the_p
 
 
 def test_fine_tuned_teachers_read_every_document_and_stay_within_the_target(model):
-    tuning = finetuned.TeacherTuning(steps=2, chunk=2)
+    tuning = finetuned_teachers.TeacherTuning(steps=2, chunk=2)
     result = _run(model, teachers="fine_tuned", tuning=tuning, prompt="Meeting")
     assert result.teachers == "fine_tuned" and result.documents_in_prompts == len(TEXTS)
     assert all(text.startswith("Meeting") for text in result.texts)
@@ -420,21 +418,38 @@ def test_fine_tuned_teachers_are_trained_on_their_own_units(model):
     """Teacher i of the fine-tuned ensemble equals, bit for bit, teacher i of an ensemble of the
     same size in which every other teacher has no documents: the partition is the in-context
     one, and no other unit reaches its adapter (not even through the padded shapes)."""
-    tuning = finetuned.TeacherTuning(steps=3, chunk=2)
+    tuning = finetuned_teachers.TeacherTuning(steps=3, chunk=2)
     key = jax.random.key(3)
-    ensemble = synthesize.build_ensemble(
+    ensemble = synthesis.build_ensemble(
         _docs(), model, num_teachers=3, max_new_tokens=4, key=key, teachers="fine_tuned",
         tuning=tuning, separator="\n",
     )  # fmt: skip
     partition_key = np.asarray(jax.random.key_data(key)).tobytes()
-    parts = synthesize.teacher_parts(_docs(), 3, key=partition_key)
+    parts = teacher_parts(_docs(), 3, key=partition_key)
     encoded = model.tokenizer.encode_batch(TEXTS)
     context = [model.tokenizer.eos_id]
     end = model.tokenizer.encode("\n")
     logits = ensemble.teachers([5, 6])
     for i, part in enumerate(parts):  # the same n and chunks, every other teacher empty
         only_i = [list(part) if j == i else [] for j in range(3)]
-        alone = finetuned.finetune_teachers(
+        alone = finetuned_teachers.finetune_teachers(
             model.model, encoded, only_i, context=context, end=end, tuning=tuning
         )
         np.testing.assert_array_equal(logits[i], alone([5, 6])[i])
+
+
+def test_every_registered_method_satisfies_the_protocol_under_its_name():
+    assert synthesis.METHODS[:2] == ("coordinated", "independent")
+    assert synthesis.METHODS[2:] == synthesis.PEER_METHODS
+    for name, method in synthesis.REGISTRY.items():
+        assert isinstance(method, Method) and method.name == name and method.label
+
+
+def test_dpmix_generate_offers_the_names_of_the_library(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    kinds = tuple(kind.replace("_", "-") for kind in synthesis.TEACHER_KINDS)
+    for names in (synthesis.METHODS, synthesis.AGGREGATORS, synthesis.ACCOUNTINGS, kinds):
+        assert "{" + ",".join(names) + "}" in usage

@@ -1,5 +1,5 @@
-"""Individual (per-unit) accounting in `pate.synthesize` and `dpmix generate --accounting
-individual`, on the tiny GPT-2 of `test_synthesize`."""
+"""Individual (per-unit) accounting in `synthesis.individual_accounting` and `dpmix generate
+--accounting individual`, on the tiny GPT-2 of `test_synthesize`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import test_synthesize
 from test_synthesize import TEXTS, _docs
 
 from dpmix_jax import cli
-from dpmix_jax.pate import individual, synthesize
+from dpmix_jax.pate import individual
+from dpmix_jax.synthesis import individual_accounting
+from dpmix_jax.synthesis.ensemble import build_unit_ensemble
 
 UNITS = 6  # the users of `_docs()`
 # The tiny GPT-2 fixtures (module scope: built once here).
@@ -36,11 +38,11 @@ def _rdp_epsilon(sigma: float, count: int, delta: float) -> float:
 
 
 def _setup(model, charges_per_teacher: int, *, max_new_tokens: int):
-    ensemble = synthesize._unit_ensemble(
+    ensemble = build_unit_ensemble(
         _docs(), model, num_teachers=None, prompt="Meeting", max_new_tokens=max_new_tokens,
         batch_size=64, stop_at_newline=False, separator="\n", on_step=None,
     )  # fmt: skip
-    config = synthesize._individual_config(
+    config = individual_accounting._individual_config(
         epsilon=2.0, delta=1e-5, charges_per_teacher=charges_per_teacher,
         vocab_size=int(model.model.config.vocab_size), temperature=1.0,
     )  # fmt: skip
@@ -49,9 +51,9 @@ def _setup(model, charges_per_teacher: int, *, max_new_tokens: int):
 
 
 def test_individual_run_gives_the_m_guarantee_and_releases_no_charges(model):
-    compiled = synthesize._individual_step._cache_size()
+    compiled = individual_accounting._individual_step._cache_size()
     result = _run(model)
-    assert synthesize._individual_step._cache_size() - compiled <= 1  # one compile
+    assert individual_accounting._individual_step._cache_size() - compiled <= 1  # one compile
     assert len(result.texts) == len(result.marked_texts) == len(result.stop_reasons) == 3
     assert (result.method, result.aggregator) == ("individual", "individual_gaussian")
     assert (result.num_teachers, result.num_units, result.unit) == (UNITS, UNITS, "users")
@@ -82,7 +84,7 @@ def test_individual_run_gives_the_m_guarantee_and_releases_no_charges(model):
 def test_the_loop_equals_a_naive_loop_and_charges_stay_within_m(model):
     ensemble, config, ledger = _setup(model, 5, max_new_tokens=4)
     key = jax.random.key(11)
-    decoded = synthesize._decode_individual(
+    decoded = individual_accounting._decode_individual(
         ensemble, config, ledger, num_samples=3, max_new_tokens=4,
         eos_id=model.tokenizer.eos_id, key=key,
     )  # fmt: skip
@@ -119,7 +121,7 @@ def test_the_loop_equals_a_naive_loop_and_charges_stay_within_m(model):
 
 def test_the_filter_binds_with_one_charge_and_the_run_completes(model):
     ensemble, config, ledger = _setup(model, 1, max_new_tokens=8)
-    decoded = synthesize._decode_individual(
+    decoded = individual_accounting._decode_individual(
         ensemble, config, ledger, num_samples=4, max_new_tokens=8, eos_id=None,
         key=jax.random.key(2),
     )  # fmt: skip

@@ -9,8 +9,8 @@ import pathlib
 
 import pytest
 
-from dpmix_jax.pate import public
-from dpmix_jax.pate.finetuned import TeacherTuning
+from dpmix_jax.synthesis import public_models
+from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
 from experiments import text_peers
 from experiments.configs import text_peers as configs
 
@@ -101,7 +101,7 @@ def test_a_tiny_run_writes_the_table_plot_and_samples(tmp_path):
     # The public model is stored under the run's stages and read back by the next run.
     (stored,) = (tmp_path / "stages").iterdir()
     assert stored.name == f"public_model-{config.model.key()}"
-    read_back = public.text_default_model(tmp_path / "stages", config.model)
+    read_back = public_models.text_default_model(tmp_path / "stages", config.model)
     assert str(stored) in read_back.source
 
 
@@ -122,10 +122,19 @@ def test_the_stored_run_holds_every_method_epsilon_and_seed():
     assert table + "\n" == (ROOT / "docs" / "results" / "text_peers.md").read_text()
 
 
+@pytest.mark.skipif(not STORED.is_file(), reason="no stored cpu run")
+def test_the_plot_draws_from_a_stored_run_alone(tmp_path):
+    # The stored cpu run predates the `teachers` setting: its teachers are in-context ones.
+    for name in ("text_peers", "text_peers_fine_tuned"):
+        results = json.loads((STORED.parent / f"{name}.json").read_text())
+        text_peers.plot(results, tmp_path / f"{name}.png")
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
 def _config_fields(stored: dict) -> dict:
     from dpmix_jax.models.lora import LoraConfig
-    from dpmix_jax.pate.finetuned import TeacherTuning
-    from dpmix_jax.pate.public import TextDefaultModel
+    from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
+    from dpmix_jax.synthesis.public_models import TextDefaultModel
 
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in stored.items()}
     fields["model"] = TextDefaultModel(**stored["model"])

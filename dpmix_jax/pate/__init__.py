@@ -5,12 +5,13 @@ their DP versions), `accounting` (dp-accounting events, PATE 2018 data-dependent
 `smooth_sensitivity` (private release of the data-dependent ε), `individual` (per-teacher
 accounting of heterogeneous ensembles with a Rényi filter), `diversity` (the (τ, β, γ)
 diversity-preservation guarantee measured), `metrics` (coverage, support, yield, margins),
-`generation` (private decoding), `teachers` (in-context GPT-2 teachers), `public` (public GPT-2
-models: load, store, train, fallback), `synthesize` (private synthetic text from a folder of
-documents), `quality` (measures of synthetic text: MAUVE, downstream accuracy, vocabulary share,
-distinct-n) and `peers` (the private generators Hot PATE is compared with: InvisibleInk, Amin et
-al. 2024, PMixED, and the ε = 0 / ε = ∞ references); the last five are imported on demand since
-they load the model code or their own dependencies.
+`generation` (private decoding), `partition` (documents' units and their keyed-hash partition
+among teachers), `method` (the protocol every private text generator implements: calibrate for
+a run, generate, charge), `hot_pate_method` (Hot PATE's samplers as such methods, and the
+aggregator's noise calibrated for a run), `teachers` (in-context GPT-2 teachers) and `peers`
+(the private generators Hot PATE is compared with: InvisibleInk, Amin et al. 2024, PMixED, and
+the ε = 0 / ε = ∞ references); the last five are imported on demand. Documents, public models
+and `synthesize` compose these in `dpmix_jax.synthesis`.
 """
 
 from dpmix_jax.pate import (

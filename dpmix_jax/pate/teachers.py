@@ -3,9 +3,9 @@
 * `partition_records`: a partition of sensitive records into n disjoint parts in which each
   record's part is a keyed hash of its own id (`privacy.assign_parts`).
 * `build_prompts`: one in-context prompt per teacher from its own part only.
-* `InContextTeachers`: n prompts over one Flax GPT-2; the prompts are left-padded to a public
-  width, run once into a KV cache, and each call runs only the shared generated prefix's new
-  tokens after it.
+* `InContextTeachers`: n prompts over one Flax decoder (GPT-2 or Llama family); the prompts are
+  left-padded to a public width, run once into KV caches of a public capacity, and each call
+  runs only the shared generated prefix's new tokens after it.
 * `TableTeachers`: synthetic teachers whose logits depend on the last token (a per-teacher Markov
   table), for tests and experiments that need a known ground truth.
 * `sampled_logits`: API-only teachers, whose distributions are known only through m samples each.
@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dpmix_jax.models.gpt2 import GPT2
 from dpmix_jax.privacy import validation
 from dpmix_jax.privacy.parts import UnitId, assign_parts
+
+if TYPE_CHECKING:
+    from dpmix_jax.models.gpt2 import GPT2
+    from dpmix_jax.models.llama import Llama
 
 __all__ = [
     "InContextTeachers",
@@ -104,61 +108,77 @@ def _extend(graphdef, state, input_ids, cache, attention_mask):
 
 
 class InContextTeachers:
-    """In-context teachers: one GPT-2, one private prompt per teacher.
+    """In-context teachers: one decoder, one private prompt per teacher.
 
-    The prompts are left-padded to the public `width` and run once through the model into a KV
-    cache (`GPT2.extend`); a call then runs only the shared prefix's tokens after it, and
-    continues from the previous call's cache when its prefix extends the previous prefix (a
-    decoding loop runs one token per step). The logits equal the full forward pass over prompt +
-    prefix (padding takes no position and is never attended to).
+    The prompts are left-padded to the public `width` and run once through the model into KV
+    caches of the public `capacity` (`GPT2.extend`, `Llama.extend`); a call then runs only the
+    shared prefix's tokens after them, and continues from the previous call's caches when its
+    prefix extends the previous prefix (a decoding loop runs one token per step), else from
+    the caches of the latest call that started from the prompts when it extends that one (the
+    next sample after the same public prompt). The logits equal the full forward pass over
+    prompt + prefix (padding takes no position and is never attended to).
+
+    Memory: n · capacity keys and values per layer. Give `capacity` = `width` + the longest
+    prefix a run can reach (e.g. width + prompt + max_new_tokens) rather than the model's
+    positions: for SmolLM2 (8,192 positions, 30 layers of 3 · 64-wide key and value heads) a
+    full-length cache takes 377 MB per teacher.
 
     Args:
-        model: a `dpmix_jax.models.gpt2.GPT2`.
+        model: a `dpmix_jax.models.gpt2.GPT2` or `dpmix_jax.models.llama.Llama`.
         prompts: one token list per teacher (see `build_prompts`), each at most `width` tokens.
-        width: the public prompt width every prompt is left-padded to, in [1, n_positions]: a
+        width: the public prompt width every prompt is left-padded to, in [1, capacity]: a
             bound chosen without reading the prompts (e.g. the prompt budget they were built
             to fit), never their longest length.
         batch_size: teachers per forward pass (the ensemble is padded to a multiple of it with
             copies of prompt 0, whose rows are discarded).
         pad_id: the padding token id (masked out).
+        capacity: tokens each cache row holds: the width plus the longest prefix a call may
+            bring, in [width, n_positions]; None (default): the model's n_positions.
 
     Raises:
         ValueError: one line naming the argument: no prompts or an empty one, a width outside
-            [1, n_positions], a prompt longer than `width`, a batch_size below 1.
+            [1, n_positions], a capacity outside [width, n_positions], a prompt longer than
+            `width`, a batch_size below 1.
 
     Privacy:
-        The shapes of every computation depend on public numbers only (`width`, n, batch_size,
-        the prefix), and every row is computed on its own (no reduction across rows), so teacher
-        i's logits are a function of its own prompt and the public prefix only, bit for bit:
-        changing another teacher's prompt, even its length, changes none of teacher i's bits,
-        and whether a prefix is too long depends on `width` alone. Teacher i's cache rows hold
-        its own prompt's keys and values, as sensitive as the prompt.
+        The shapes of every computation depend on public numbers only (`width`, `capacity`, n,
+        batch_size, the prefix), and every row is computed on its own (no reduction across
+        rows), so teacher i's logits are a function of its own prompt and the public prefix
+        only, bit for bit: changing another teacher's prompt, even its length, changes none of
+        teacher i's bits, and whether a prefix is too long depends on `width` and `capacity`
+        alone. Teacher i's cache rows hold its own prompt's keys and values, as sensitive as
+        the prompt.
     """
 
     def __init__(
         self,
-        model: GPT2,
+        model: GPT2 | Llama,
         prompts: Sequence[Sequence[int]],
         *,
         width: int,
         batch_size: int = 64,
         pad_id: int = 0,
+        capacity: int | None = None,
     ):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("need at least one teacher, and every prompt must be non-empty.")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
         self._max_len = int(model.config.n_positions)
-        if (
-            isinstance(width, bool)
-            or not isinstance(width, int | np.integer)
-            or not 1 <= width <= self._max_len
-        ):
+        if not _is_count(width) or not 1 <= width <= self._max_len:
             raise ValueError(
                 f"width must be an integer in [1, {self._max_len}] (the model's positions), "
                 f"got {width!r}."
             )
         self._width = int(width)
+        if capacity is None:
+            capacity = self._max_len
+        if not _is_count(capacity) or not self._width <= capacity <= self._max_len:
+            raise ValueError(
+                f"capacity must be an integer in [width = {self._width}, {self._max_len}] (the "
+                f"model's positions), got {capacity!r}."
+            )
+        self._capacity = int(capacity)
         self._prompts = [list(map(int, p)) for p in prompts]
         for index, prompt in enumerate(self._prompts):
             if len(prompt) > self._width:
@@ -172,6 +192,9 @@ class InContextTeachers:
         self.vocab_size = int(model.config.vocab_size)
         self._prompt_state = None  # (caches, logits) after the prompts alone, built on first use
         self._last = None  # (prefix, caches, logits) of the latest call
+        # (prefix, caches, logits) of the latest call that started from the prompts: every
+        # sample of a run starts from the same public prompt, which then runs once per run.
+        self._anchor = None
 
     @property
     def num_teachers(self) -> int:
@@ -200,7 +223,7 @@ class InContextTeachers:
                 ids[i, self._width - len(prompt) :] = prompt
                 mask[i, self._width - len(prompt) :] = 1
             empty = [
-                self._model.init_cache(self._batch_size, self._max_len)
+                self._model.init_cache(self._batch_size, self._capacity)
                 for _ in range(num_rows // self._batch_size)
             ]
             logits, caches = self._run(empty, ids, mask)
@@ -214,22 +237,37 @@ class InContextTeachers:
             Reads every teacher's private prompt; the result is sensitive.
         """
         prefix = tuple(int(t) for t in prefix)
-        if self._width + len(prefix) > self._max_len:
+        if self._width + len(prefix) > self._capacity:
+            limit = (
+                f"the model's {self._max_len} positions"
+                if self._capacity == self._max_len
+                else f"the caches' capacity of {self._capacity} tokens"
+            )
             raise ValueError(
                 f"prefix has {len(prefix)} tokens; with the prompt width {self._width} that is "
-                f"{self._width + len(prefix)}, more than the model's {self._max_len} positions."
+                f"{self._width + len(prefix)}, more than {limit}."
             )
+        restart = False
         if self._last is not None and prefix[: len(self._last[0])] == self._last[0]:
             done, caches, logits = self._last
+        elif self._anchor is not None and prefix[: len(self._anchor[0])] == self._anchor[0]:
+            done, caches, logits = self._anchor
         else:
             caches, logits = self._prompts_state()
-            done = ()
+            done, restart = (), True
         if len(prefix) > len(done):
             new = np.asarray(prefix[len(done) :], np.int32)
             ids = np.broadcast_to(new, (len(caches) * self._batch_size, len(new)))
             logits, caches = self._run(caches, ids)
         self._last = (prefix, caches, logits)
+        if restart:
+            self._anchor = self._last
         return logits
+
+
+def _is_count(value) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return not isinstance(value, bool) and isinstance(value, int | np.integer)
 
 
 class TableTeachers:

@@ -66,13 +66,16 @@ import jax
 import jax.numpy as jnp
 
 from dpmix_jax.pate.generation import PublicModel, Teachers
-from dpmix_jax.pate.peers import decoding
+from dpmix_jax.pate.method import Plan, RunSettings, Spent
+from dpmix_jax.pate.peers import decoding, peer_method
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import randomness, validation
 
 __all__ = [
+    "METHOD",
     "AminConfig",
+    "AminMethod",
     "calibrate",
     "clip_logits",
     "distance",
@@ -483,3 +486,70 @@ def generate(
         public_forward_passes=public_passes,
         seeded=seeded,
     )
+
+
+class AminMethod:
+    """Amin et al. 2024 as a `pate.method.Method` (`peer_method`: calibrated for all of a run's
+    texts at full length, charged the private tokens and sparse-vector tests that ran)."""
+
+    name = "amin"
+    label = "Amin et al. 2024"
+
+    def calibrate(self, run: RunSettings) -> Plan:
+        """`calibrate` for `run.worst_case_tokens` tokens on the run's teachers; the
+        sparse-vector test gets half of the budget (`svt_noise_for`) and the clip bound the
+        rest.
+
+        Privacy:
+            Public: a function of public settings only.
+        """
+        svt_noise = svt_noise_for(
+            epsilon=run.epsilon / 2,
+            delta=run.delta,
+            runs=run.worst_case_tokens,
+            num_teachers=run.num_teachers,
+        )
+        config = calibrate(
+            epsilon=run.epsilon,
+            delta=run.delta,
+            max_new_tokens=run.worst_case_tokens,
+            num_teachers=run.num_teachers,
+            temperature=run.temperature,
+            svt_noise=svt_noise,
+        )
+        return peer_method.plan(self.name, run, config, epsilon, worst_case_charges(config))
+
+    def generate(
+        self,
+        plan: Plan,
+        teachers: Teachers,
+        public_model: PublicModel,
+        *,
+        prompt: Sequence[int],
+        key: jax.Array | None,
+    ) -> list[PeerResult]:
+        """Every text of the run, each by `generate` with the run's `max_new_tokens` as its
+        length limit and its private-token budget.
+
+        Privacy:
+            Reads the teachers only through `step`.
+        """
+        length = plan.run.max_new_tokens
+        text_config = dataclasses.replace(
+            plan.config, max_new_tokens=length, max_private_tokens=length
+        )
+        return peer_method.decode_texts(
+            generate, text_config, plan.run, teachers, public_model, prompt=prompt, key=key
+        )
+
+    def charge(self, plan: Plan, samples: Sequence[PeerResult]) -> Spent:
+        """`epsilon` of every private token and sparse-vector test that ran
+        (`peer_method.charge`).
+
+        Privacy:
+            Reads the texts' charges only.
+        """
+        return peer_method.charge(plan, samples, epsilon)
+
+
+METHOD = AminMethod()

@@ -61,13 +61,16 @@ import jax.numpy as jnp
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpmix_jax.pate import generation
-from dpmix_jax.pate.peers import decoding
+from dpmix_jax.pate.method import Plan, RunSettings, Spent
+from dpmix_jax.pate.peers import decoding, peer_method
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import validation
 
 __all__ = [
+    "METHOD",
     "ORDERS",
     "PMixEDConfig",
+    "PMixEDMethod",
     "calibrate",
     "dp_event",
     "epsilon",
@@ -378,3 +381,65 @@ def generate(
         public_forward_passes=steps,
         seeded=decoded.seeded,
     )
+
+
+class PMixEDMethod:
+    """PMixED as a `pate.method.Method` (`peer_method`: calibrated for all of a run's texts at
+    full length, charged the tokens that ran)."""
+
+    name = "pmixed"
+    label = "PMixED"
+
+    def calibrate(self, run: RunSettings) -> Plan:
+        """`calibrate` for `run.worst_case_tokens` tokens on the run's teachers.
+
+        Privacy:
+            Public: a function of public settings only.
+        """
+        config = calibrate(
+            epsilon=run.epsilon,
+            delta=run.delta,
+            max_new_tokens=run.worst_case_tokens,
+            num_teachers=run.num_teachers,
+            temperature=run.temperature,
+        )
+        return peer_method.plan(self.name, run, config, epsilon, worst_case_charges(config))
+
+    def generate(
+        self,
+        plan: Plan,
+        teachers: generation.Teachers,
+        public_model: generation.PublicModel,
+        *,
+        prompt: Sequence[int],
+        key: jax.Array | None,
+    ) -> list[PeerResult]:
+        """Every text of the run, each by `generate` with the run's `max_new_tokens`, reported
+        at the run's δ.
+
+        Privacy:
+            Reads the teachers only through `step`.
+        """
+        run = plan.run
+        text_config = dataclasses.replace(plan.config, max_new_tokens=run.max_new_tokens)
+        return peer_method.decode_texts(
+            generate,
+            text_config,
+            run,
+            teachers,
+            public_model,
+            prompt=prompt,
+            key=key,
+            delta=run.delta,
+        )
+
+    def charge(self, plan: Plan, samples: Sequence[PeerResult]) -> Spent:
+        """`epsilon` of every token that ran (`peer_method.charge`).
+
+        Privacy:
+            Reads the texts' charges only.
+        """
+        return peer_method.charge(plan, samples, epsilon)
+
+
+METHOD = PMixEDMethod()

