@@ -570,19 +570,20 @@ def test_dp_mixmin_refuses_count_noise_below_half_sigma():
 
 def test_demo_flags_reach_the_fine_tuning_and_mixture_stages():
     from dpmix_jax import cli
+    from dpmix_jax.cli import demo
 
     for dataset in ("image", "text"):
-        args = cli._parser().parse_args(
+        args = cli.build_parser().parse_args(
             ["demo", dataset, "--adaptive-clipping", "--target-quantile", "0.7"]
         )
-        config = cli._demo_config(args)
+        config = demo.demo_config(args)
         assert config.finetune.adaptive_clipping == AdaptiveClipping(target_quantile=0.7)
         assert config.mixture.adaptive_clipping == AdaptiveClipping(target_quantile=0.7)
-        plain = cli._demo_config(cli._parser().parse_args(["demo", dataset]))
+        plain = demo.demo_config(cli.build_parser().parse_args(["demo", dataset]))
         assert plain.finetune.adaptive_clipping is None is plain.mixture.adaptive_clipping
     with pytest.raises(ValueError, match="--adaptive-clipping"):
-        cli._demo_config(cli._parser().parse_args(["demo", "--target-quantile", "0.7"]))
+        demo.demo_config(cli.build_parser().parse_args(["demo", "--target-quantile", "0.7"]))
     with pytest.raises(ValueError, match="target_quantile"):
-        cli._demo_config(
-            cli._parser().parse_args(["demo", "--adaptive-clipping", "--target-quantile", "2"])
+        demo.demo_config(
+            cli.build_parser().parse_args(["demo", "--adaptive-clipping", "--target-quantile", "2"])
         )

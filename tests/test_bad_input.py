@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from dpmix_jax import cli
+from dpmix_jax.cli import arguments, demo, errors
 from dpmix_jax.data import cxr, text
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.pate import accounting as pate_accounting
@@ -220,7 +221,7 @@ def test_cli_out_that_cannot_be_written_to(tmp_path, capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied", str(tmp_path))
 
-    monkeypatch.setattr(cli.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(arguments.tempfile, "TemporaryFile", refuse)
     _one_line_error(
         capsys, ["demo", "--out", str(tmp_path)], "cannot be written (Permission denied)"
     )
@@ -242,10 +243,10 @@ def test_cli_turns_library_errors_into_one_line(error, match, capsys, monkeypatc
     def fail(args):
         raise error
 
-    monkeypatch.setattr(cli, "_demo", fail)
+    monkeypatch.setattr(demo, "_demo", fail)
     err = _one_line_error(capsys, ["demo"], match)
     assert err.count("\n") == 1
-    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    monkeypatch.setenv(errors.DEBUG_ENV, "1")
     with pytest.raises(type(error)):
         cli.main(["demo"])
 

@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from dpmix_jax import cli, interrupt
+from dpmix_jax.cli import errors, run
 from dpmix_jax.data import text, tfds_sources
 from dpmix_jax.data.tokenizer import gpt2_tokenizer, train_bpe_tokenizer
 from dpmix_jax.pipeline import presets
@@ -33,11 +34,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _fail_with(monkeypatch, action):
     """Makes `dpmix experiments` run `action()` in place of its work."""
 
-    def command(args):
+    def listing():
         action()
         return 0
 
-    monkeypatch.setattr(cli, "_command", command)
+    monkeypatch.setattr(run, "list_experiments", listing)
 
 
 def _one_line(capsys, status=2):
@@ -70,7 +71,7 @@ def test_ctrl_c_says_how_to_resume_and_exits_130(capsys, monkeypatch):
 
     _fail_with(monkeypatch, interrupt)
     line = _one_line(capsys, status=130)
-    assert line == f"dpmix: {cli.INTERRUPTED}"
+    assert line == f"dpmix: {errors.INTERRUPTED}"
     assert "rerun the same command (same --out)" in line and "privacy ledger is kept" in line
 
 
@@ -101,7 +102,7 @@ def test_ctrl_c_in_a_callback_stops_the_run_at_its_next_step(times, capsys, monk
 
     _fail_with(monkeypatch, work)
     line = _one_line(capsys, status=130)  # nothing printed about the dropped interrupt
-    assert line == f"dpmix: {cli.INTERRUPTED}"
+    assert line == f"dpmix: {errors.INTERRUPTED}"
     assert steps == []  # stopped at the first safe point after Ctrl-C
 
 
@@ -117,7 +118,7 @@ def test_ctrl_c_in_a_callback_stops_work_without_safe_points_after_the_grace(cap
 
     _fail_with(monkeypatch, work)
     line = _one_line(capsys, status=130)
-    assert line == f"dpmix: {cli.INTERRUPTED}"
+    assert line == f"dpmix: {errors.INTERRUPTED}"
     assert time.monotonic() - started < 10
     assert signal.getsignal(signal.SIGINT) is before  # handler restored
 
@@ -143,7 +144,7 @@ def test_ctrl_c_stops_the_demo_in_one_line_and_the_same_command_resumes(tmp_path
     progress = ("digits (MNIST-5k", " ")  # the progress bar's lines
     messages = [line for line in lines if not line.startswith(progress)]
     assert demo.returncode == 130, messages
-    assert messages == [f"dpmix: {cli.INTERRUPTED}"]
+    assert messages == [f"dpmix: {errors.INTERRUPTED}"]
     assert not (out / "results.json").exists()
 
     resumed = subprocess.run(command + ["--quiet"], cwd=tmp_path, env=env, capture_output=True)
@@ -277,7 +278,7 @@ def _main_block(path: pathlib.Path) -> ast.If | None:
 def test_every_runnable_experiment_enters_through_experiment_main():
     runnable = {p: _main_block(p) for p in (ROOT / "experiments").glob("*.py")}
     runnable = {p: block for p, block in runnable.items() if block is not None}
-    assert len(runnable) >= len(cli.EXPERIMENTS)
+    assert len(runnable) >= len(run.EXPERIMENTS)
     for path, block in runnable.items():
         [statement] = block.body
         assert isinstance(statement, ast.With), path.name

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from dpmix_jax import cli
+from dpmix_jax.cli import errors, run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -26,7 +27,7 @@ def test_experiments_are_listed_and_importable(capsys):
     listed = capsys.readouterr().out
     import importlib.util
 
-    for name in cli.EXPERIMENTS:
+    for name in run.EXPERIMENTS:
         assert name in listed
         assert importlib.util.find_spec(f"experiments.{name}") is not None, name
 
@@ -65,10 +66,15 @@ def test_unknown_demo_method_is_rejected(capsys):
     assert "invalid choice: 'oracle'" in capsys.readouterr().err
 
 
-def test_the_cli_method_names_are_the_pipeline_methods():
+def test_the_demo_offers_the_pipeline_methods_and_the_run_help_loads_no_library(capsys):
     from dpmix_jax.pipeline import METHODS
 
-    assert cli.METHOD_NAMES == METHODS
+    parser = cli.build_parser()
+    (demo_parser,) = [p for p in parser._subparsers._group_actions[0].choices.values()
+                      if p.prog == "dpmix demo"]  # fmt: skip
+    demo_parser.format_help()  # the options are added on first use
+    (methods,) = [a for a in demo_parser._actions if a.dest == "methods"]
+    assert tuple(methods.choices) == METHODS and methods.default == list(METHODS)
 
 
 def _help(argv, monkeypatch, capsys):
@@ -96,7 +102,7 @@ def _help(argv, monkeypatch, capsys):
         (["audit"], "dpmix audit"),
         (["bench"], "dpmix bench"),
         (["report"], "dpmix report"),
-        *[(["run", name], f"dpmix run {name}") for name in cli.EXPERIMENTS],
+        *[(["run", name], f"dpmix run {name}") for name in run.EXPERIMENTS],
     ],
 )
 def test_help_shows_every_option_with_its_default(argv, prog, monkeypatch, capsys):
@@ -154,7 +160,7 @@ def _parsed(argv, monkeypatch) -> argparse.Namespace:
     return parsed.value.namespace
 
 
-@pytest.mark.parametrize("name", ["demo", *cli.EXPERIMENTS])
+@pytest.mark.parametrize("name", ["demo", *run.EXPERIMENTS])
 def test_every_command_takes_the_common_options(name, tmp_path, monkeypatch):
     seeds = [] if name in NO_SEEDS else ["3"] if name in ONE_SEED else ["3", "4"]
     argv = [
@@ -164,7 +170,7 @@ def test_every_command_takes_the_common_options(name, tmp_path, monkeypatch):
         *(["--reproducible"] if name not in NOT_REPRODUCIBLE else []),
     ]
     if name == "demo":
-        args, _ = cli._parser().parse_known_args(["demo", *argv])
+        args, _ = cli.build_parser().parse_known_args(["demo", *argv])
     else:
         args = _parsed(["run", name, *argv], monkeypatch)
     assert getattr(args, "seeds", None) == ([int(seed) for seed in seeds] if seeds else None)
@@ -202,7 +208,7 @@ def test_run_help_lists_the_experiments(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--help"])
     out = capsys.readouterr().out
-    for name, text in cli.EXPERIMENTS.items():
+    for name, text in run.EXPERIMENTS.items():
         assert f"{name}  " in out and text in out
 
 
@@ -347,8 +353,89 @@ def test_a_large_delta_without_an_override_flag_names_none(capsys):
     # An experiment has no --allow-large-delta: its message says what to change, nothing else.
     from dpmix_jax.privacy.validation import LargeDeltaError
 
-    with pytest.raises(SystemExit), cli.one_line_errors("dpmix run enron"):
+    with pytest.raises(SystemExit), errors.one_line_errors("dpmix run enron"):
         raise LargeDeltaError(0.01, 148, "users", "delta")
     err = capsys.readouterr().err
     assert "delta = 0.01 >= 1/n" in err and "users" in err
     assert "allow" not in err and "anyway" not in err
+
+
+# ---------------------------------------------------------------------------------------------
+# What a new user meets: abbreviations, batch sizes, failed runs, what a guarantee is about.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["demo", "--epsilon", "1"], "--epsilons"),
+        (["demo", "--seed=0"], "--seeds"),
+        (["generate", "--num-sample", "2"], "--num-samples"),
+        (["run", "quickstart", "--step", "3"], "--steps"),
+    ],
+)
+def test_an_abbreviated_option_is_refused_before_anything_runs(argv, meant, tmp_path, capsys):
+    # `--epsilon 1` used to run as `--epsilons 1` and overwrite a 45-run grid with 15 runs.
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "abbreviations are not accepted" in err and f"did you mean {meant}?" in err
+    assert not out.exists()
+
+
+def _fake_demo(monkeypatch):
+    from dpmix_jax import pipeline
+
+    seen = {}
+
+    def fake_comparison(stages, **kwargs):
+        seen.update(config=stages.config, **kwargs)
+        (kwargs["out_dir"] / "results.md").write_text("")
+        return {"runs": []}
+
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    return seen
+
+
+def test_demo_batch_sizes_and_privacy_unit_reach_the_run(monkeypatch, tmp_path):
+    seen = _fake_demo(monkeypatch)
+    argv = ["demo", "--batch-size", "96", "--mixture-batch-size", "64", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert seen["config"].finetune.batch_size == 96 and seen["config"].mixture.batch_size == 64
+    assert seen["privacy_unit"] == "per image"
+    assert cli.main(["demo", "text", "--out", str(tmp_path / "text")]) == 0
+    assert seen["privacy_unit"].startswith("per user (user-level")
+
+
+def test_a_batch_too_large_for_its_bands_names_the_demo_options(capsys):
+    from dpmix_jax.privacy.plan import BatchTooLargeError
+
+    options = "--batch-size (fine-tuning) or --mixture-batch-size (DP-MixMin), or --bands"
+    with pytest.raises(ValueError) as info, errors.in_command_line_terms(None, options):
+        raise BatchTooLargeError(120, 4, 331, "examples")
+    assert str(info.value) == (
+        "batch_size 120 x 4 bands > 331 examples: the rate q = batch_size / (n / bands) would "
+        f"exceed 1; lower {options}."
+    )
+
+
+@pytest.mark.parametrize("experiment", ["nih_chexpert", "enron", "openwebmath"])
+def test_paper_presets_without_data_fail_alike_and_leave_no_folder(experiment, tmp_path, capsys):
+    out = tmp_path / "new" / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", experiment, "--preset", "paper", "--out", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dpmix run {experiment}: error: missing ")
+    assert not (tmp_path / "new").exists()  # the lock's folder and its parent are gone again
+
+
+def test_the_folder_lock_is_owner_only(tmp_path):
+    from dpmix_jax.pipeline import folders
+
+    with folders.folder_lock(tmp_path / "out") as folder:
+        assert (folder / folders.LOCK_NAME).stat().st_mode & 0o777 == 0o600
+        (folder / "results.json").write_text("{}")
+    assert (tmp_path / "out" / "results.json").exists()  # a folder with outputs stays

@@ -12,6 +12,8 @@ import tomllib
 import pytest
 
 from dpmix_jax import cli, parallel, pipeline
+from dpmix_jax.cli import arguments, generate, run
+from dpmix_jax.cli import report as report_command
 from dpmix_jax.pipeline import report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -130,14 +132,12 @@ def test_readme_command_parses_and_starts(command, monkeypatch, tmp_path, capsys
         namespace = parse_args(self, *args, **kwargs)
         raise _Started(self.prog, namespace)
 
-    def start(args: argparse.Namespace) -> int:
-        if args.command in ("run", *cli._SHORTCUTS):
-            monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-            with pytest.raises(_Started):
-                cli._run_experiment(args)
-        elif args.command == "demo":
-            monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
-            return real_command(args)  # builds the task and the pipeline, then stops
+    real_run = run.run
+
+    def start_experiment(args: argparse.Namespace) -> int:
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        with pytest.raises(_Started):
+            real_run(args)
         return 0
 
     def fake_comparison(stages, **kwargs):
@@ -145,10 +145,14 @@ def test_readme_command_parses_and_starts(command, monkeypatch, tmp_path, capsys
         (kwargs["out_dir"] / "results.md").write_text("")
         return {"runs": []}
 
-    real_command = cli._command
-
-    monkeypatch.setattr(cli, "_command", start)
-    monkeypatch.setattr(cli, "use_mesh", lambda args: args.mesh and parallel.parse_mesh(args.mesh))
+    # The demo builds its task and pipeline, then stops; generate and report do not start.
+    monkeypatch.setattr(run, "run", start_experiment)
+    monkeypatch.setattr(pipeline, "run_comparison", fake_comparison)
+    monkeypatch.setattr(generate, "run", lambda args: 0)
+    monkeypatch.setattr(report_command, "run", lambda args: 0)
+    monkeypatch.setattr(
+        arguments, "use_mesh", lambda args: args.mesh and parallel.parse_mesh(args.mesh)
+    )
     try:
         assert cli.main(argv) == 0
     except SystemExit as exit_info:  # `--help` and `--version` exit 0 after printing

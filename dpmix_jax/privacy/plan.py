@@ -205,6 +205,34 @@ class DpSgdPlan:
         return accounting.PrivacyBudget(eps, self.config.delta)
 
 
+class BatchTooLargeError(ValueError):
+    """The expected batch size (times the bands of BandMF) reaches the number of units: the
+    Poisson rate would be 1 or more (`plan_dp_sgd`).
+
+    `str(error)` names the settings (`batch_size`, `bands`); a command line shows
+    `message(what)` naming its own options.
+    """
+
+    def __init__(self, batch_size: float, bands: int | None, num_units: int, unit: str):
+        self.batch_size, self.bands, self.num_units, self.unit = batch_size, bands, num_units, unit
+        super().__init__(self.message("batch_size or bands" if bands else "batch_size"))
+
+    def message(self, what: str) -> str:
+        """The refusal, saying to lower `what` (e.g. "--batch-size or --bands")."""
+        n, unit = self.num_units, self.unit
+        if self.bands:
+            over = self.batch_size * self.bands > n
+            return (
+                f"batch_size {self.batch_size:g} x {self.bands} bands {'>' if over else '>='} "
+                f"{n} {unit}: the rate q = batch_size / (n / bands) would "
+                f"{'exceed 1' if over else 'be 1 (no amplification)'}; lower {what}."
+            )
+        return (
+            f"batch_size {self.batch_size:g} >= {n} {unit}: the Poisson rate would be 1 (no "
+            f"amplification); lower {what} below the number of {unit}."
+        )
+
+
 def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
     """Resolves `config` for `num_units` examples (or users): rate q = b / n and σ.
 
@@ -228,16 +256,12 @@ def plan_dp_sgd(config: DpSgdConfig, *, num_units: int) -> DpSgdPlan:
         config.delta, int(num_units), unit=unit, allow_large_delta=config.allow_large_delta
     )
     per_cycle = config.batch_size * config.cycle
-    if config.noise == "bandmf" and per_cycle > num_units:
-        raise ValueError(
-            f"batch_size {config.batch_size:g} x {config.cycle} bands > {num_units} {unit}: the "
-            "rate q = batch_size / (n / bands) would exceed 1; lower batch_size or bands."
-        )
-    if per_cycle >= num_units and config.noise_multiplier != 0:
-        needed = f" x {config.cycle} bands" if config.noise == "bandmf" else ""
-        raise ValueError(
-            f"batch_size {config.batch_size:g}{needed} >= {num_units} {unit}: the Poisson rate "
-            f"would be 1 (no amplification); lower batch_size below the number of {unit}."
+    bandmf = config.noise == "bandmf"
+    if (bandmf and per_cycle > num_units) or (
+        per_cycle >= num_units and config.noise_multiplier != 0
+    ):
+        raise BatchTooLargeError(
+            config.batch_size, config.cycle if bandmf else None, num_units, unit
         )
     rate = min(1.0, config.batch_size * config.cycle / num_units)
     if config.noise_multiplier is not None:
