@@ -8,27 +8,18 @@ setting share one store under `--out/stages`, so a setting equal to another is r
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
 import numpy as np
 
 from dpmix_jax.pipeline import ImagePipeline, presets, report
-from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance
-from experiments.common_args import (
-    add_chest_xray_roots,
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.configs.ablations import AblationConfig, Setting, get_config
-from experiments.configs.nih import CxrExperimentConfig
-from experiments.cxr import real_tasks
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
+from experiments.common_args import add_chest_xray_roots, chest_xray_tasks, experiment_main
+from experiments.configs.ablations import PRESETS, AblationConfig, Setting, get_config
+from experiments.configs.nih import PAPER_IMAGE_SIZE
+from experiments.harness import Command, finish
 
 VIEWS = ("ablation_rho", "ablation_proxy", "ablation_composition")
 
@@ -36,10 +27,9 @@ VIEWS = ("ablation_rho", "ablation_proxy", "ablation_composition")
 def _task(config: AblationConfig, roots: dict[str, pathlib.Path]):
     if config.data == "digits":
         return presets.digit_task(image_size=config.image_size)
-    cxr_config = CxrExperimentConfig(
-        public=config.data, pipeline=config.pipeline, tasks=("Atelectasis",)
+    (task,) = chest_xray_tasks(
+        roots, public=config.data, image_size=PAPER_IMAGE_SIZE, findings=("Atelectasis",)
     )
-    (task,) = real_tasks(cxr_config, roots["nih_root"], roots["public_root"])
     return task
 
 
@@ -128,43 +118,27 @@ def main(
         "reused_runs": counter.count,
         "provenance": provenance(),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ablations.json").write_text(json.dumps(results, indent=1) + "\n")
-    source = (out_dir / "ablations.json").name
-    tables = "\n".join(report.render(view, results, source) for view in VIEWS)
-    (out_dir / "ablations.md").write_text(tables)
-    print(tables)
-    return results
+    tables = "\n".join(report.render(view, results, "ablations.json") for view in VIEWS)
+    return finish(out_dir, results, tables, name="ablations")
 
 
-def cli() -> None:
-    parser = experiment_parser("ablations", __doc__.splitlines()[0], examples=("--preset cpu",))
-    parser.add_argument(
-        "--preset",
-        choices=("cpu", "tiny", "paper"),
-        default="cpu",
-        help="cpu: the digit tasks (offline); tiny: a one-minute check of the wiring; paper: "
-        "NIH with CheXpert as public data",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/ablations"),
-        metavar="DIR",
-        help="output folder: ablations.json, ablations.md, stages/",
-    )
-    add_chest_xray_roots(parser, public="chexpert")
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
-    args = parser.parse_args()
-    main(
-        with_common_options(get_config(args.preset), args),
+cli = Command(
+    name="ablations",
+    description=__doc__.splitlines()[0],
+    writes="ablations.json, ablations.md, stages/",
+    examples=("--preset cpu",),
+    presets=PRESETS,
+    options=lambda parser: add_chest_xray_roots(parser, public="chexpert"),
+    quiet=True,
+    config=lambda args: get_config(args.preset),
+    run=lambda config, args: main(
+        config,
         args.out,
         reproducible=args.reproducible,
         nih_root=args.nih_root,
         public_root=args.public_root,
-    )
+    ),
+)
 
 
 if __name__ == "__main__":

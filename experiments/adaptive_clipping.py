@@ -9,12 +9,13 @@ ledger's ε is reported. Table: test macro AUC (mean ± std over seeds) and the 
 end of the run. Writes `adaptive_clipping.json` and `adaptive_clipping.md` under `--out`.
 
     python -m experiments.adaptive_clipping --out runs/adaptive_clipping
+
+Settings and measured results: `experiments/configs/adaptive_clipping.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -22,51 +23,13 @@ import numpy as np
 
 from dpmix_jax.pipeline import ImagePipeline, presets
 from dpmix_jax.pipeline.compare import provenance
-from dpmix_jax.privacy import SEEDED_NOTE, randomness, validation
+from dpmix_jax.privacy import SEEDED_NOTE, randomness
 from dpmix_jax.privacy.adaptive_clipping import AdaptiveClipping, current_clip_norm
 from dpmix_jax.privacy.randomness import fresh_secret_key
 from dpmix_jax.train import fit
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AdaptiveClippingStudyConfig:
-    """Settings of the study (see the module docstring).
-
-    Attributes:
-        epsilon: ε of each fine-tuning run (δ is the preset's).
-        seeds: data split, initialisation and (with `--reproducible`) noise seeds.
-        clip_scales: multiples of the preset's C that start each pair of runs.
-        target_quantile: γ of the adaptive runs.
-        learning_rate: η of the adaptive runs' clip-norm update.
-        steps: T of the fine-tuning (None: the preset's).
-        pretrain_steps: steps of the public pretraining (None: the preset's).
-    """
-
-    epsilon: float = 1.0
-    seeds: tuple[int, ...] = (0, 1, 2)
-    clip_scales: tuple[float, ...] = (1.0, 10.0, 0.1)
-    target_quantile: float = 0.5
-    learning_rate: float = 0.2
-    steps: int | None = None
-    pretrain_steps: int | None = None
-
-    def __post_init__(self) -> None:
-        validation.check_epsilon(self.epsilon)
-        if not self.seeds or not self.clip_scales:
-            raise ValueError("seeds and clip_scales must be non-empty.")
-        for scale in self.clip_scales:
-            validation.check_positive(scale, "clip_scales")
-        for name in ("steps", "pretrain_steps"):
-            if getattr(self, name) is not None:
-                validation.check_steps(getattr(self, name), name)
-        AdaptiveClipping(target_quantile=self.target_quantile, learning_rate=self.learning_rate)
+from experiments.common_args import experiment_main
+from experiments.configs.adaptive_clipping import AdaptiveClippingStudyConfig, get_config
+from experiments.harness import Command, finish
 
 
 def variants(config: AdaptiveClippingStudyConfig, base_clip: float) -> list[tuple[str, dict]]:
@@ -172,12 +135,7 @@ def main(
         "wall_s": time.time() - start,
     }
     results["table"] = markdown(results)
-    print(results["table"])
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "adaptive_clipping.json").write_text(json.dumps(results, indent=1) + "\n")
-        (out / "adaptive_clipping.md").write_text(results["table"] + "\n")
-    return results
+    return finish(out, results, results["table"], name="adaptive_clipping")
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -221,23 +179,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def cli() -> None:
-    parser = experiment_parser("adaptive_clipping", __doc__.splitlines()[0], examples=("",))
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/adaptive_clipping"),
-        metavar="DIR",
-        help="output folder: adaptive_clipping.json, adaptive_clipping.md, stages/",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    args = parser.parse_args()
-    main(
-        with_common_options(AdaptiveClippingStudyConfig(), args),
-        args.out,
-        reproducible=args.reproducible,
-    )
+cli = Command(
+    name="adaptive_clipping",
+    description=__doc__.splitlines()[0],
+    writes="adaptive_clipping.json, adaptive_clipping.md, stages/",
+    examples=("",),
+    config=lambda args: get_config(),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -47,13 +46,9 @@ from dpmix_jax.mixing import dp_mixmin
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import audit, audit_runs, plan
 from experiments import audit_releases
-from experiments.common_args import (
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.configs.audit import AuditConfig, get_config
+from experiments.common_args import experiment_main
+from experiments.configs.audit import PRESETS, AuditConfig, get_config
+from experiments.harness import Command, finish
 
 # --------------------------------------------------------------------------------------------
 # Shared: the bound.
@@ -498,12 +493,10 @@ def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
     """Runs every audit; writes `results.md`, `results.json` and `results.png` to `out_dir`.
 
     Returns:
-        `{"mixmin", "dpsgd", "releases", "summary", "seconds", "violations", "noise_seeded",
-        "provenance"}`, where a violation is a private ε_LB (any method, tightness included)
-        above the claimed ε.
+        `{"config", "mixmin", "dpsgd", "releases", "summary", "seconds", "violations",
+        "noise_seeded", "provenance"}`, where a violation is a private ε_LB (any method,
+        tightness included) above the claimed ε.
     """
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     lambda_rows, dpsgd_rows = audit_lambda(config), audit_dpsgd(config)
     releases = {
@@ -521,6 +514,7 @@ def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
         (row.get(key) or 0.0) > row["claimed_epsilon"] for row in summary for key in PRIVATE_KEYS
     ) + sum(row["epsilon_lb"] > row["claimed_epsilon"] for row in releases["tightness"])
     result = {
+        "config": dataclasses.asdict(config),
         "mixmin": lambda_rows,
         "dpsgd": dpsgd_rows,
         "releases": releases,
@@ -557,43 +551,45 @@ def main(config: AuditConfig, out_dir: str | pathlib.Path) -> dict:
             report(config, lambda_rows, dpsgd_rows, seconds),
         ]
     )
-    (out / "results.md").write_text(text)
-    (out / "results.json").write_text(
-        json.dumps({"config": dataclasses.asdict(config), **result}, indent=2, default=float)
+    return finish(out_dir, result, text, plots={"results.png": summary_plot})
+
+
+def _options(parser) -> None:
+    parser.add_argument(
+        "--known-batches",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the other units' batches across trials (default: the preset's choice)",
     )
-    summary_plot(result, out / "results.png")
-    return result
+
+
+def _config(args) -> AuditConfig:
+    config = get_config(args.preset)
+    if args.known_batches is None:
+        return config
+    return dataclasses.replace(config, known_batches=args.known_batches)
+
+
+def _run(config: AuditConfig, args) -> dict:
+    outcome = main(config, args.out)
+    print(f"violations: {outcome['violations']}")
+    return outcome
+
+
+cli = Command(
+    name="audit",
+    description=__doc__.splitlines()[0],
+    writes="results.md, results.json, results.png",
+    examples=("--preset cpu", "--preset cpu --out DIR"),
+    presets=PRESETS,
+    options=_options,
+    seeds="one",
+    reproducible=False,
+    config=_config,
+    run=_run,
+)
 
 
 if __name__ == "__main__":
     with experiment_main("audit"):
-        parser = experiment_parser(
-            "audit", __doc__.splitlines()[0], examples=("--preset cpu", "--preset cpu --out DIR")
-        )
-        parser.add_argument(
-            "--preset",
-            default="cpu",
-            choices=("cpu", "paper"),
-            help="cpu: a CPU-sized audit (experiments/configs/audit.py); paper: the paper's "
-            "settings",
-        )
-        parser.add_argument(
-            "--out",
-            default="runs/audit",
-            metavar="DIR",
-            help="output folder: results.md, results.json, results.png",
-        )
-        parser.add_argument(
-            "--known-batches",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="share the other units' batches across trials (default: the preset's choice)",
-        )
-        add_seeds_option(parser, single=True)
-        args = parser.parse_args()
-        chosen = with_common_options(get_config(args.preset), args)
-        if args.known_batches is not None:
-            chosen = dataclasses.replace(chosen, known_batches=args.known_batches)
-        outcome = main(chosen, args.out)
-        print((pathlib.Path(args.out) / "results.md").read_text())
-        print(f"violations: {outcome['violations']}")
+        cli()

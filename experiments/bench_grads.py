@@ -45,12 +45,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import json
 import os
 import pathlib
 import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -67,7 +65,7 @@ from dpmix_jax.pipeline.compare import peak_memory_gib, provenance
 from dpmix_jax.privacy import correlated_noise, noise
 from dpmix_jax.train import TrainConfig, engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
-from experiments.common_args import experiment_main, experiment_parser
+from experiments.common_args import experiment_main
 from experiments.configs.bench_grads import (
     GPT2_ONLY_METHODS,
     PRESETS,
@@ -75,6 +73,7 @@ from experiments.configs.bench_grads import (
     ModelBench,
     get_config,
 )
+from experiments.harness import Command, finish
 
 LEARNING_RATE, NOISE_MULTIPLIER, CLIP_NORM = 0.01, 1.0, 1.0
 # The DP-SGD methods (independent noise) and their clipped-sum method; "dp_bandmf" clips as
@@ -818,31 +817,10 @@ def check_can_run(config: BenchConfig, preset: str) -> None:
             )
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "bench_grads",
-        __doc__.splitlines()[0],
-        examples=("--preset cpu --out runs/bench_cpu", "--preset cpu_small", "--preset gpu"),
-    )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=PRESETS,
-        help="micro: seconds, for tests; cpu: tiny ResNet and GPT-2; cpu_small: ResNet-18 and "
-        "GPT-2 small on CPU; pate: the Hot PATE samplers in four regimes; gpu: ResNet-18 and "
-        "GPT-2 small on an accelerator",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/bench_grads"),
-        metavar="DIR",
-        help="output folder: bench.json, the results with their provenance",
-    )
-    args = parser.parse_args(argv)
-    config = get_config(args.preset)
-    check_can_run(config, args.preset)
-    report = {"preset": args.preset, **run(config)}
+def main(config: BenchConfig, out: pathlib.Path, *, preset: str) -> dict:
+    """Runs the benchmark of `preset` (`config`), prints its summary and writes `out/bench.json`
+    (the report with its provenance); returns the report."""
+    report = {"preset": preset, **run(config)}
     print(_table(report["results"]))
     print(
         "\nFastest DP path: step time / non-private, throughput / Opacus DP; Trainer step time "
@@ -879,13 +857,28 @@ def main(argv: list[str] | None = None) -> dict:
         cost = base[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]
         print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:9.1f} "
               f"{cost:6.2f}x")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "bench.json", "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    return report
+    return finish(out, report, None, name="bench")
+
+
+def _config(args) -> BenchConfig:
+    config = get_config(args.preset)
+    check_can_run(config, args.preset)
+    return config
+
+
+cli = Command(
+    name="bench_grads",
+    description=__doc__.splitlines()[0],
+    writes="bench.json, the results with their provenance",
+    examples=("--preset cpu --out runs/bench_cpu", "--preset cpu_small", "--preset gpu"),
+    presets=PRESETS,
+    seeds=None,
+    reproducible=False,
+    config=_config,
+    run=lambda config, args: main(config, args.out, preset=args.preset),
+)
 
 
 if __name__ == "__main__":
     with experiment_main("bench_grads"):
-        main(sys.argv[1:])
+        cli()

@@ -1,6 +1,6 @@
 """Clipping bias of DP-MixMin and the per-example gradient shift: excess loss vs clip norm.
 
-On the synthetic exact-mixture problem of `experiments.k_scaling` (k = 8, n = 20,000), DP-MixMin
+On the synthetic exact-mixture problem of `mixing.synthetic` (k = 8, n = 20,000), DP-MixMin
 (mirror descent) runs for each clip norm C and each shift ("none", "mean", "weighted"), once
 without noise (σ = 0: pure clipping bias) and once at ε = 1, δ = 1e-5. The step size is η0 / C,
 so that a step moves the logits by at most about η0 whatever C is. Reported: the excess MixMin
@@ -9,68 +9,30 @@ examples clipped at the non-private optimum. Writes `clip_study.md`, `clip_study
 `clip_study.png`.
 
     python -m experiments.clip_study --out DIR
+
+Settings and measured results: `experiments/configs/clip_study.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 
 import matplotlib
 
 matplotlib.use("Agg")
-import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.mixing import objectives, solvers  # noqa: E402
+from dpmix_jax.mixing.scaling import gradient_norms  # noqa: E402
+from dpmix_jax.mixing.synthetic import mixture_problem  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness, validation  # noqa: E402
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.k_scaling import mixture_problem  # noqa: E402
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
+from experiments.common_args import experiment_main  # noqa: E402
+from experiments.configs.clip_study import ClipStudyConfig, get_config  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
 from experiments.plot_labels import SHIFT_NAMES, counted  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ClipStudyConfig:
-    """Settings of the clip study (see the module docstring)."""
-
-    clip_norms: tuple[float, ...] = (0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
-    shifts: tuple[str, ...] = solvers.SHIFTS
-    seeds: tuple[int, ...] = (0, 1)
-    num_sources: int = 8
-    num_examples: int = 20_000
-    epsilon: float = 1.0
-    delta: float = 1e-5
-    steps: int = 300
-    batch_size: int = 1000
-    step_scale: float = 2.0
-
-    def __post_init__(self) -> None:
-        for c in self.clip_norms:
-            validation.check_positive(c, "clip_norm")
-        if not set(self.shifts) <= set(solvers.SHIFTS) or not self.shifts:
-            raise ValueError(f"shifts must be a non-empty subset of {solvers.SHIFTS}.")
-        validation.check_epsilon(self.epsilon)
-        validation.check_delta(self.delta)
-        validation.check_steps(self.steps)
-        validation.check_positive(self.step_scale, "step_scale")
-
-
-def clipped_fraction(preds: np.ndarray, weights: np.ndarray, shift: str, clip_norm: float) -> float:
-    """Fraction of examples whose shifted gradient at `weights` has norm above `clip_norm`."""
-    examples = objectives.prepare_examples(preds)
-    grad = jax.vmap(jax.grad(solvers.shifted_example_loss("nll", shift)), in_axes=(None, 0))
-    norms = np.linalg.norm(np.asarray(grad(weights, examples)), axis=1)
-    return float(np.mean(norms > clip_norm))
 
 
 def main(
@@ -101,9 +63,8 @@ def main(
             )
         )
         for shift in config.shifts:
-            clipped[shift].append(
-                [clipped_fraction(preds, reference, shift, c) for c in config.clip_norms]
-            )
+            norms = gradient_norms(preds, reference, shift=shift)
+            clipped[shift].append([float(np.mean(norms > c)) for c in config.clip_norms])
             for noise, sig in settings.items():
                 row = []
                 for c in config.clip_norms:
@@ -128,7 +89,6 @@ def main(
     clipped_means = {s: np.mean(v, axis=0) for s, v in clipped.items()}
     table = markdown(config, means, clipped_means, float(np.mean(uniform)), sigma)
     table += "\n" + (SEEDED_NOTE if reproducible else "DP noise and sampling secret.")
-    print(table)
     results = {
         "config": dataclasses.asdict(config),
         "curves": [
@@ -146,12 +106,7 @@ def main(
         "noise_seeded": reproducible,
         "provenance": provenance(),
     }
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "clip_study.md").write_text(table + "\n")
-        (out / "clip_study.json").write_text(json.dumps(results, indent=2))
-        plot(results, out / "clip_study.png")
-    return results
+    return finish(out, results, table, name="clip_study", plots={"clip_study.png": plot})
 
 
 def markdown(config, means, clipped_means, uniform: float, sigma: float) -> str:
@@ -215,19 +170,14 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def cli() -> None:
-    parser = experiment_parser("clip_study", __doc__.splitlines()[0], examples=("",))
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/clip_study"),
-        metavar="DIR",
-        help="output folder: clip_study.md, clip_study.json, clip_study.png",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    args = parser.parse_args()
-    main(with_common_options(ClipStudyConfig(), args), args.out, reproducible=args.reproducible)
+cli = Command(
+    name="clip_study",
+    description=__doc__.splitlines()[0],
+    writes="clip_study.md, clip_study.json, clip_study.png",
+    examples=("",),
+    config=lambda args: get_config(),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -12,28 +12,30 @@ import contextlib
 import dataclasses
 import pathlib
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from dpmix_jax import checkout, cli
+from dpmix_jax import checkout
+from dpmix_jax.cli import arguments, errors
 
 # The locks that the experiment running under `experiment_main` holds until it ends (its --out
 # folder's, taken when its arguments are parsed); None outside `experiment_main`.
 _experiment_locks: contextlib.ExitStack | None = None
 
 
-class _ExperimentParser(argparse.ArgumentParser):
-    """An experiment's parser: adds `--mesh` and `--distributed` and applies them on parsing."""
+class _ExperimentParser(arguments.ArgumentParser):
+    """An experiment's parser: adds `--mesh` and `--distributed` and applies them on parsing;
+    like every parser of the command line, it takes no abbreviated option."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, extra = super().parse_known_args(args, namespace)
         try:
-            cli.use_mesh(parsed)
+            arguments.use_mesh(parsed)
         except ValueError as err:
             self.error(str(err))
         out = getattr(parsed, "out", None)
         if _experiment_locks is not None and out is not None:
-            _experiment_locks.enter_context(cli.output_lock(out))
+            _experiment_locks.enter_context(arguments.output_lock(out))
         return parsed, extra
 
 
@@ -47,7 +49,7 @@ def experiment_parser(
         description: the first lines of the help.
         examples: command lines (arguments after the program name) shown in the epilog.
     """
-    prog = cli.experiment_program(name)
+    prog = arguments.experiment_program(name)
     epilog = (
         "examples:\n" + "\n".join(f"  {prog} {e}".rstrip() for e in examples) if examples else None
     )
@@ -55,9 +57,9 @@ def experiment_parser(
         prog=prog,
         description=textwrap.fill(description, 79),
         epilog=epilog,
-        formatter_class=cli.HelpFormatter,
+        formatter_class=arguments.HelpFormatter,
     )
-    cli.add_scale_arguments(parser)
+    arguments.add_scale_arguments(parser)
     return parser
 
 
@@ -66,13 +68,13 @@ def experiment_main(name: str) -> Iterator[None]:
     """The context of `experiments.NAME`'s `__main__` block, as `with experiment_main("NAME"):`.
 
     Run directly (`python -m experiments.NAME`) or through `dpmix`, the experiment reports bad
-    input and Ctrl-C in one line (`cli.one_line_errors`), and holds the lock of its `--out`
+    input and Ctrl-C in one line (`errors.one_line_errors`), and holds the lock of its `--out`
     folder from the moment its arguments are parsed, so that a second run on the folder stops
     before loading any data.
     """
     global _experiment_locks
     with (
-        cli.one_line_errors(cli.experiment_program(name)),
+        errors.one_line_errors(arguments.experiment_program(name)),
         checkout.pinned_commit(),  # the results name the code the run started from
         contextlib.ExitStack() as locks,
     ):
@@ -155,6 +157,36 @@ def add_chest_xray_roots(parser: argparse.ArgumentParser, *, public: str | None)
     )
 
 
+def chest_xray_tasks(
+    roots: Mapping[str, pathlib.Path],
+    *,
+    public: str,
+    image_size: int,
+    findings: Sequence[str] | None = None,
+) -> list:
+    """The NIH tasks of `pipeline.chest_xray.nih_tasks` from the folders of `--nih-root` and
+    `--public-root` (`roots["nih_root"]`, `roots["public_root"]`), each checked first: a missing
+    one stops the run naming its option."""
+    folders = (
+        ("--nih-root", roots["nih_root"], "the NIH ChestX-ray14 folder"),
+        ("--public-root", roots["public_root"], f"the {public} folder"),
+    )
+    for option, path, what in folders:
+        if not pathlib.Path(path).exists():
+            raise ValueError(
+                f"missing {what} ({option}): {path} does not exist (see experiments/configs/nih.py)"
+            )
+    from dpmix_jax.pipeline.chest_xray import nih_tasks
+
+    return nih_tasks(
+        roots["nih_root"],
+        roots["public_root"],
+        public=public,
+        image_size=image_size,
+        findings=findings,
+    )
+
+
 def add_seeds_option(
     parser: argparse.ArgumentParser, *, single: bool = False, default: str = "the preset's"
 ) -> None:
@@ -168,7 +200,7 @@ def add_seeds_option(
     what = "the run's seed (one value)" if single else "the repetitions, one run per seed"
     parser.add_argument(
         "--seeds",
-        type=cli.parse_seed,
+        type=arguments.parse_seed,
         nargs="+",
         default=None,
         metavar="SEED",

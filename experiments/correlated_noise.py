@@ -13,11 +13,13 @@ partition's rate, σ calibrated to the same target ε):
   `text_demo_config`) of the model pretrained on the uniform mixture of the public domains (the
   pretrained model is stored once per seed and shared by every mechanism), on all train users;
   test perplexity (lower is better), mean ± std over seeds;
-- DP-MixMin: mirror descent on the synthetic exact-mixture problem of `experiments.k_scaling`;
+- DP-MixMin: mirror descent on the synthetic exact-mixture problem of `mixing.synthetic`;
   excess MixMin loss over non-private MixMin and cosine of λ to it, mean ± std over seeds;
 - the noise step: time of one jitted noise transformation update on a parameter vector.
 
     python -m experiments.correlated_noise --out DIR [--reproducible]
+
+Settings and measured results: `experiments/configs/correlated_noise.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax import mixing
-from dpmix_jax.pipeline import common, presets, text_presets
+from dpmix_jax.mixing.synthetic import mixture_problem
+from dpmix_jax.pipeline import presets, stage_store, text_presets
 from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.pipeline.image import ImagePipeline
 from dpmix_jax.pipeline.text import TextPipeline
@@ -41,73 +44,11 @@ from dpmix_jax.privacy import (
     correlated_noise,
     gaussian_noise,
     randomness,
-    validation,
 )
 from dpmix_jax.train import fit
-from dpmix_jax.train.config import Optimizer
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.k_scaling import mixture_problem
-from experiments.run_files import write_results
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CorrelatedNoiseConfig:
-    """Settings of the study (see the module docstring); `bands` lists BandMF's b values (the
-    independent-noise baseline is always run) of the fine-tuning, text and DP-MixMin parts at
-    each of `epsilons`; `long_bands` and `long_epsilons` those of the long fine-tuning
-    (`long_batch_size`, `long_steps`), run once per (optimizer, learning rate) of
-    `long_optimizers` (learning rate None: the preset's)."""
-
-    bands: tuple[int, ...] = (2, 8)
-    epsilons: tuple[float, ...] = (1.0, 4.0)
-    seeds: tuple[int, ...] = (0, 1, 2)
-    finetune_steps: int = 150
-    long_bands: tuple[int, ...] = (4, 16)
-    long_batch_size: int = 16
-    long_steps: int = 750
-    long_epsilons: tuple[float, ...] = (1.0, 4.0, 16.0)
-    # Momentum's η: DP-SGD's best of {0.02, 0.05, 0.1, 0.2} by validation AUC at ε = 4 in one run
-    # of seed 100 (not a reported seed); BandMF was not tuned separately.
-    long_optimizers: tuple[tuple[Optimizer, float | None], ...] = (
-        ("adam", None),
-        ("momentum", 0.05),
-    )
-    text_steps: int = 60
-    mixmin_examples: int = 20_000
-    mixmin_sources: int = 8
-    mixmin_steps: int = 300
-    mixmin_batch_size: int = 1000
-    mixmin_clip_norm: float = 10.0
-    mixmin_learning_rate: float = 0.2
-    delta: float = 1e-5
-    bench_size: int = 1_000_000
-    bench_repeats: int = 20
-
-    def __post_init__(self) -> None:
-        for b in self.bands + self.long_bands:
-            correlated_noise.check_bands(b)
-        for epsilon in self.epsilons + self.long_epsilons:
-            validation.check_epsilon(epsilon)
-        validation.check_delta(self.delta)
-        validation.check_steps(self.finetune_steps, "finetune_steps")
-        validation.check_steps(self.long_steps, "long_steps")
-        validation.check_steps(self.text_steps, "text_steps")
-        if not isinstance(self.long_batch_size, int) or self.long_batch_size < 1:
-            raise ValueError(
-                f"long_batch_size must be an integer >= 1, got {self.long_batch_size!r}"
-            )
-        validation.check_steps(self.mixmin_steps, "mixmin_steps")
-        validation.check_steps(self.bench_repeats, "bench_repeats")
-        if not self.long_optimizers:
-            raise ValueError("long_optimizers must name at least one (optimizer, learning rate).")
-        if not self.seeds:
-            raise ValueError("seeds must name at least one seed.")
+from experiments.common_args import experiment_main
+from experiments.configs.correlated_noise import CorrelatedNoiseConfig, get_config
+from experiments.harness import Command, finish
 
 
 def _settings(bands: tuple[int, ...]) -> list[tuple[str, dict]]:
@@ -197,7 +138,7 @@ def text_rows(config: CorrelatedNoiseConfig, root: pathlib.Path, reproducible: b
             finetune = dataclasses.replace(
                 demo, steps=config.text_steps, epsilon=epsilon, delta=config.delta, **settings
             )
-            name = f"finetune_{label}_eps{common.epsilon_name(epsilon)}"
+            name = f"finetune_{label}_eps{stage_store.epsilon_name(epsilon)}"
             perplexities, spent = [], []
             for seed in config.seeds:
                 key = pipeline.private_seed(seed, name, pipeline.config_key)
@@ -437,29 +378,17 @@ def main(config: CorrelatedNoiseConfig, out: pathlib.Path, *, reproducible: bool
         "noise_step": noise_step_rows(config),
     }
     results["wall_s"] = time.time() - start
-    text = markdown(results)
-    write_results(out, results, text)
-    print(text)
-    return results
+    return finish(out, results, markdown(results))
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "correlated_noise", __doc__.splitlines()[0], examples=("--reproducible",)
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/correlated_noise"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, stages/",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    args = parser.parse_args(argv)
-    return main(
-        with_common_options(CorrelatedNoiseConfig(), args), args.out, reproducible=args.reproducible
-    )
+cli = Command(
+    name="correlated_noise",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, stages/",
+    examples=("--reproducible",),
+    config=lambda args: get_config(),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -14,65 +14,22 @@ import time
 
 import numpy as np
 
-from dpmix_jax.data import cxr
-from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
-from dpmix_jax.pipeline.common import METHODS as METHOD_ORDER
-from dpmix_jax.pipeline.common import use_compilation_cache
+from dpmix_jax.pipeline import ImagePipeline, image, presets, run_comparison
 from dpmix_jax.pipeline.compare import (
     METHOD_NAMES,
     keep_provenance_of_computing_run,
     provenance,
     summarize,
 )
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
+from dpmix_jax.pipeline.results import METHODS as METHOD_ORDER
 from dpmix_jax.privacy import SEEDED_NOTE
-from experiments.common_args import (
-    add_chest_xray_roots,
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.configs.nih import CxrExperimentConfig, get_config
-from experiments.run_files import write_results
+from experiments.common_args import add_chest_xray_roots, chest_xray_tasks
+from experiments.configs.nih import PRESETS, CxrExperimentConfig, get_config
+from experiments.harness import Command, UsageError, finish
 
 # G of `--privacy-unit patient` unless given: a NIH patient has 3.6 images on average.
 DEFAULT_MAX_IMAGES_PER_PATIENT = 4
-
-
-def _require(path: pathlib.Path, what: str) -> None:
-    if not path.exists():
-        raise SystemExit(f"missing {what}: {path} does not exist (see experiments/configs/nih.py).")
-
-
-def real_tasks(
-    config: CxrExperimentConfig, nih_root: pathlib.Path, public_root: pathlib.Path
-) -> list[SharedInputTask]:
-    """One task per NIH finding, with CheXpert's or MIMIC-CXR's 14 observations as sources."""
-    _require(nih_root, "the NIH ChestX-ray14 folder (--nih-root)")
-    _require(public_root, f"the {config.public} folder (--public-root)")
-    size = (config.image_size, config.image_size)
-    nih = cxr.nih_official_splits(nih_root, image_size=size)
-    if config.public == "chexpert":
-        public = cxr.load_chexpert(public_root, split="train", views="frontal", image_size=size)
-    else:
-        public = cxr.load_mimic_cxr(public_root, split="train", views="frontal", image_size=size)
-    findings = config.tasks or cxr.NIH_LABELS
-    unknown = sorted(set(findings) - set(cxr.NIH_LABELS))
-    if unknown:
-        raise SystemExit(f"unknown NIH findings {unknown}; choose from {list(cxr.NIH_LABELS)}")
-    return [
-        SharedInputTask(
-            name=f"NIH {finding} <- {config.public}",
-            public=public,
-            source_names=tuple(public.label_names),
-            train=nih["train"],
-            val=nih["val"],
-            test=nih["test"],
-            task_index=cxr.NIH_LABELS.index(finding),
-        )
-        for finding in findings
-    ]
 
 
 def macro_table(per_task: dict[str, dict], privacy_unit: str) -> dict[str, dict]:
@@ -132,7 +89,9 @@ def main(
     if config.public == "digits":
         tasks = presets.digit_tasks(image_size=config.image_size, num_tasks=config.tasks)
     else:
-        tasks = real_tasks(config, roots["nih_root"], roots["public_root"])
+        tasks = chest_xray_tasks(
+            roots, public=config.public, image_size=config.image_size, findings=config.tasks
+        )
     use_compilation_cache(out_dir / "xla_cache")
     unit = image.privacy_unit_label(config.pipeline)
     per_task = {}
@@ -165,18 +124,62 @@ def main(
         "provenance": provenance(),
     }
     keep_provenance_of_computing_run(summary, out_dir / "results.json", key="macro")
-    table = macro_markdown(summary)
     randomness = SEEDED_NOTE if reproducible else "Private randomness secret (operating system)."
-    write_results(out_dir, summary, f"{table}\n\n{randomness}")
-    print(table)
-    return summary["macro"]
+    return finish(out_dir, summary, f"{macro_markdown(summary)}\n\n{randomness}")["macro"]
 
 
 def cli(public: str, argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        f"nih_{public}",
-        f"NIH ChestX-ray14 with {public} as public data: DP-MixMin against its baselines per "
-        "finding, macro AUC over the findings.",
+    """The command line of `experiments.nih_PUBLIC` (`public`: "chexpert" or "mimic"); returns
+    the macro AUCs."""
+
+    def options(parser) -> None:
+        add_chest_xray_roots(parser, public=public)
+        parser.add_argument(
+            "--smoke",
+            action="store_true",
+            help="with --preset paper: the paper's models, image size, k and methods, but 1-2 "
+            "steps of batch 2 per stage, one seed, ε = 1 and one finding (a test that the paper "
+            "path runs on a small folder of the real layouts; its AUCs mean nothing)",
+        )
+        parser.add_argument(
+            "--privacy-unit",
+            choices=image.PRIVACY_UNITS,
+            default="image",
+            help="what each (ε, δ) protects: image (example-level DP, the paper's unit) or "
+            "patient (user-level DP: both private stages sample patients and clip the mean "
+            "gradient of up to --max-images-per-patient of their images; needs --preset paper)",
+        )
+        parser.add_argument(
+            "--max-images-per-patient",
+            type=int,
+            default=None,
+            metavar="G",
+            help="with --privacy-unit patient: the images a sampled patient contributes per step "
+            f"(default {DEFAULT_MAX_IMAGES_PER_PATIENT}; a patient's other images are left out "
+            "of that step)",
+        )
+
+    def config(args) -> CxrExperimentConfig:
+        if args.smoke and args.preset != "paper":
+            raise UsageError("--smoke applies to --preset paper")
+        if args.privacy_unit == "patient" and args.preset != "paper":
+            raise UsageError("--privacy-unit patient needs NIH patient ids: use --preset paper")
+        limit = args.max_images_per_patient
+        if limit is not None and args.privacy_unit != "patient":
+            raise UsageError("--max-images-per-patient applies to --privacy-unit patient")
+        if limit is not None and limit < 1:
+            raise UsageError(f"--max-images-per-patient must be an integer >= 1, got {limit}")
+        if args.privacy_unit == "patient" and limit is None:
+            limit = DEFAULT_MAX_IMAGES_PER_PATIENT
+        chosen = get_config(public, args.preset, smoke=args.smoke)
+        pipeline = image.with_privacy_unit(chosen.pipeline, args.privacy_unit, limit)
+        return dataclasses.replace(chosen, pipeline=pipeline)
+
+    command = Command(
+        name=f"nih_{public}",
+        description=f"NIH ChestX-ray14 with {public} as public data: DP-MixMin against its "
+        "baselines per finding, macro AUC over the findings.",
+        writes="task<i>/ (one comparison per finding), results.json, results.md",
         examples=(
             "--preset cpu",
             f"--preset paper --nih-root data/nih --public-root data/{public}",
@@ -184,68 +187,17 @@ def cli(public: str, argv: list[str] | None = None) -> dict:
             f"--preset paper --privacy-unit patient --max-images-per-patient 4 "
             f"--nih-root data/nih --public-root data/{public}",
         ),
+        presets=PRESETS,
+        options=options,
+        quiet=True,
+        config=config,
+        run=lambda config, args: main(
+            config,
+            args.out,
+            nih_root=args.nih_root,
+            public_root=args.public_root,
+            reproducible=args.reproducible,
+            progress=not args.quiet,
+        ),
     )
-    parser.add_argument(
-        "--preset",
-        choices=("cpu", "paper"),
-        default="cpu",
-        help="cpu: digit tasks standing in for the X-ray findings (offline); paper: the real "
-        "data under --nih-root and --public-root",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path(f"runs/nih_{public}"),
-        metavar="DIR",
-        help="output folder: task<i>/ (one comparison per finding), results.json, results.md",
-    )
-    add_chest_xray_roots(parser, public=public)
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="with --preset paper: the paper's models, image size, k and methods, but 1-2 steps "
-        "of batch 2 per stage, one seed, ε = 1 and one finding (a test that the paper path "
-        "runs on a small folder of the real layouts; its AUCs mean nothing)",
-    )
-    parser.add_argument(
-        "--privacy-unit",
-        choices=image.PRIVACY_UNITS,
-        default="image",
-        help="what each (ε, δ) protects: image (example-level DP, the paper's unit) or patient "
-        "(user-level DP: both private stages sample patients and clip the mean gradient of up "
-        "to --max-images-per-patient of their images; needs --preset paper)",
-    )
-    parser.add_argument(
-        "--max-images-per-patient",
-        type=int,
-        default=None,
-        metavar="G",
-        help="with --privacy-unit patient: the images a sampled patient contributes per step "
-        f"(default {DEFAULT_MAX_IMAGES_PER_PATIENT}; a patient's other images are left out of "
-        "that step)",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
-    args = parser.parse_args(argv)
-    if args.smoke and args.preset != "paper":
-        parser.error("--smoke applies to --preset paper")
-    config = with_common_options(get_config(public, args.preset, smoke=args.smoke), args)
-    if args.privacy_unit == "patient" and args.preset != "paper":
-        parser.error("--privacy-unit patient needs NIH patient ids: use --preset paper")
-    limit = args.max_images_per_patient
-    if limit is not None and args.privacy_unit != "patient":
-        parser.error("--max-images-per-patient applies to --privacy-unit patient")
-    if limit is not None and limit < 1:
-        parser.error(f"--max-images-per-patient must be an integer >= 1, got {limit}")
-    if args.privacy_unit == "patient" and limit is None:
-        limit = DEFAULT_MAX_IMAGES_PER_PATIENT
-    pipeline = image.with_privacy_unit(config.pipeline, args.privacy_unit, limit)
-    return main(
-        dataclasses.replace(config, pipeline=pipeline),
-        args.out,
-        nih_root=args.nih_root,
-        public_root=args.public_root,
-        reproducible=args.reproducible,
-        progress=not args.quiet,
-    )
+    return command(argv)

@@ -8,12 +8,13 @@ DPWS (Laplace scale 2/ε) and the noisy argmax of confident-GNMax (Gaussian σ, 
 one vote). Writes `discrete_noise.json` and `discrete_noise.md` to `--out`.
 
     python -m experiments.discrete_noise --out DIR
+
+Settings and measured results: `experiments/configs/discrete_noise.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import time
@@ -23,44 +24,10 @@ import numpy as np
 
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.pipeline.compare import provenance
-from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise, validation
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DiscreteNoiseConfig:
-    """Settings of the study (see the module docstring).
-
-    Attributes:
-        vocab_size: counts noised per call.
-        repeats: timed calls per sampler (the median is reported).
-        laplace_epsilons: per-call ε of DPARGMAX / DPWS (Laplace scale 2/ε).
-        gaussian_sigmas: σ of the Gaussian noisy argmax (integers: σ² is an exact integer).
-        delta: δ of the ε comparison.
-        seed: the samplers' seed with `--reproducible`.
-    """
-
-    vocab_size: int = 50_257
-    repeats: int = 7
-    laplace_epsilons: tuple[float, ...] = (0.1, 0.5, 1.0, 2.0)
-    gaussian_sigmas: tuple[int, ...] = (1, 2, 5, 10, 40)
-    delta: float = 1e-5
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        validation.check_steps(self.vocab_size, "vocab_size")
-        validation.check_steps(self.repeats, "repeats")
-        for epsilon in self.laplace_epsilons:
-            validation.check_epsilon(epsilon, "laplace_epsilons")
-        for sigma in self.gaussian_sigmas:
-            validation.check_positive(sigma, "gaussian_sigmas")
-        validation.check_delta(self.delta)
+from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise
+from experiments.common_args import experiment_main
+from experiments.configs.discrete_noise import DiscreteNoiseConfig, get_config
+from experiments.harness import Command, finish
 
 
 def _rate(draw, size: int, repeats: int) -> float:
@@ -175,32 +142,19 @@ def main(
         "epsilon": epsilon_rows(config),
     }
     results["wall_s"] = time.time() - start
-    text = markdown(results)
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "discrete_noise.json").write_text(json.dumps(results, indent=1) + "\n")
-        (out / "discrete_noise.md").write_text(text + "\n")
-    return results
+    return finish(out, results, markdown(results), name="discrete_noise")
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "discrete_noise", __doc__.splitlines()[0], examples=("--out runs/discrete_noise",)
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/discrete_noise"),
-        metavar="DIR",
-        help="output folder: discrete_noise.json, discrete_noise.md",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser, single=True, default="the study's")
-    args = parser.parse_args(argv)
-    return main(
-        with_common_options(DiscreteNoiseConfig(), args), args.out, reproducible=args.reproducible
-    )
+cli = Command(
+    name="discrete_noise",
+    description=__doc__.splitlines()[0],
+    writes="discrete_noise.json, discrete_noise.md",
+    examples=("--out runs/discrete_noise",),
+    seeds="one",
+    seeds_default="the study's",
+    config=lambda args: get_config(),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -18,44 +18,13 @@ from types import ModuleType
 import numpy as np
 
 from dpmix_jax.pipeline import run_comparison
-from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import METHOD_NAMES, keep_provenance_of_computing_run, provenance
-from dpmix_jax.pipeline.text import (
-    DomainTextTask,
-    TextPipeline,
-    from_document_files,
-    from_enron,
-    require_paths,
-)
-from dpmix_jax.pipeline.text_presets import text_task
-from experiments.common_args import (
-    add_out_option,
-    add_preset_option,
-    add_run_options,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
+from dpmix_jax.pipeline.text import TextPipeline, require_paths
+from experiments.common_args import experiment_main
 from experiments.configs import enron as configs
 from experiments.configs.enron import TextExperimentConfig
-from experiments.run_files import write_results
-
-
-def build_task(config: TextExperimentConfig) -> DomainTextTask:
-    """The experiment's data: the embedded default, Enron, or OpenWebMath files."""
-    require_paths(config.input_paths())
-    if config.data == "builtin":
-        return text_task(level=config.pipeline.level)
-    public = dict(
-        domains=config.public_domains,
-        max_public_documents=config.max_public_documents,
-        split_fractions=config.split_fractions,
-    )
-    if config.data == "enron":
-        return from_enron(config.enron_root, config.public_root, **public)
-    return from_document_files(
-        config.documents_path, config.public_root, max_documents=config.max_documents, **public
-    )
+from experiments.harness import Command, UsageError, finish
 
 
 def main(
@@ -72,7 +41,7 @@ def main(
     """
     out_dir = pathlib.Path(out_dir)
     start = time.time()
-    task = build_task(config)
+    task = config.task()
     use_compilation_cache(out_dir / "xla_cache")
     results, tables = {}, []
     for rho in config.mix_fractions:
@@ -101,7 +70,7 @@ def main(
         "provenance": provenance(),
     }
     keep_provenance_of_computing_run(summary, out_dir / "results.json", key="per_rho")
-    write_results(out_dir, summary, rho_markdown(summary) + "\n\n" + "\n".join(tables))
+    finish(out_dir, summary, rho_markdown(summary) + "\n\n" + "\n".join(tables))
     return results
 
 
@@ -133,63 +102,66 @@ def rho_markdown(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def cli(configs_module: ModuleType, argv: list[str] | None = None) -> None:
-    """`--preset cpu|paper --out DIR [--data-root DIR --weights-root DIR] [--reproducible]`."""
+def cli(configs_module: ModuleType, argv: list[str] | None = None) -> dict:
+    """The command line of the text experiment whose settings are `configs_module`
+    (`experiments.configs.enron` or `.openwebmath`); returns `{ρ: results}`."""
     name = configs_module.__name__.rsplit(".", 1)[-1]
-    parser = experiment_parser(
-        name,
-        (configs_module.__doc__ or "").splitlines()[0],
+
+    def options(parser) -> None:
+        parser.add_argument(
+            "--data-root",
+            default="data",
+            metavar="DIR",
+            help=f"paper preset: the data folder (layout in experiments/configs/{name}.py)",
+        )
+        parser.add_argument(
+            "--weights-root",
+            default="weights",
+            metavar="DIR",
+            help="paper preset: the folder of the GPT-2 weights (transformers format)",
+        )
+        parser.add_argument(
+            "--smoke",
+            action="store_true",
+            help="with --preset paper: the paper's data layout, models, sequence length, k and "
+            "methods, but 1-2 steps of one or two units per stage, one ρ, one seed and ε = 1 (a "
+            "test that the paper path runs on a small folder; its perplexities mean nothing)",
+        )
+
+    def config(args) -> TextExperimentConfig:
+        if args.smoke and args.preset != "paper":
+            raise UsageError("--smoke applies to --preset paper")
+        chosen = configs_module.get_config(
+            args.preset,
+            data_root=args.data_root,
+            weights_root=args.weights_root,
+            smoke_test=args.smoke,
+        )
+        try:
+            require_paths(chosen.input_paths())
+        except ValueError as err:
+            raise ValueError(f"{err} (see {configs_module.__name__})") from None
+        return chosen
+
+    command = Command(
+        name=name,
+        description=(configs_module.__doc__ or "").splitlines()[0],
+        writes="one rho<ρ>/ per ρ (results.json, results.md, plots, stages/), results.json with "
+        "every ρ and results.md with the utility against ρ and every table",
         examples=(
             "--preset cpu",
             "--preset paper --data-root DATA --weights-root WEIGHTS --out runs/" + name + "_paper",
             "--preset paper --smoke --data-root FIXTURE --weights-root WEIGHTS --out DIR",
         ),
-    )
-    add_preset_option(parser, configs_module.PRESETS)
-    add_out_option(
-        parser,
-        name,
-        "one rho<ρ>/ per ρ (results.json, results.md, plots, stages/), results.json with every"
-        " ρ and results.md with the utility against ρ and every table",
-    )
-    parser.add_argument(
-        "--data-root",
-        default="data",
-        metavar="DIR",
-        help=f"paper preset: the data folder (layout in experiments/configs/{name}.py)",
-    )
-    parser.add_argument(
-        "--weights-root",
-        default="weights",
-        metavar="DIR",
-        help="paper preset: the folder of the GPT-2 weights (transformers format)",
-    )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="with --preset paper: the paper's data layout, models, sequence length, k and "
-        "methods, but 1-2 steps of one or two units per stage, one ρ, one seed and ε = 1 (a "
-        "test that the paper path runs on a small folder; its perplexities mean nothing)",
-    )
-    add_run_options(parser)
-    args = parser.parse_args(argv)
-    if args.smoke and args.preset != "paper":
-        parser.error("--smoke applies to --preset paper")
-    config = with_common_options(
-        configs_module.get_config(
-            args.preset,
-            data_root=args.data_root,
-            weights_root=args.weights_root,
-            smoke_test=args.smoke,
+        presets=configs_module.PRESETS,
+        options=options,
+        quiet=True,
+        config=config,
+        run=lambda config, args: main(
+            config, args.out, reproducible=args.reproducible, progress=not args.quiet
         ),
-        args,
     )
-    try:
-        require_paths(config.input_paths())
-    except ValueError as err:
-        raise SystemExit(f"error: {err} (see {configs_module.__name__})") from err
-    main(config, args.out, reproducible=args.reproducible, progress=not args.quiet)
-    print((args.out / "results.md").read_text())
+    return command(argv)
 
 
 if __name__ == "__main__":

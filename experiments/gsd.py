@@ -10,7 +10,6 @@ DP-MixMin, Uniform and Random Initialisation from the same pipeline stages. Writ
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -21,20 +20,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets  # noqa: E402
-from dpmix_jax.pipeline.common import use_compilation_cache, weights_key  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache  # noqa: E402
 from dpmix_jax.pipeline.gsd import select_source  # noqa: E402
+from dpmix_jax.pipeline.stage_store import weights_key  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
-from experiments.common_args import (
+from experiments.common_args import (  # noqa: E402
     add_chest_xray_roots,
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
+    chest_xray_tasks,
     experiment_main,
-    experiment_parser,
-    with_common_options,
 )
 from experiments.configs import gsd as configs  # noqa: E402
+from experiments.configs.nih import PAPER_IMAGE_SIZE  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
 
 CONTROL = "control: transposed images"
 METHODS = ("dp_mixmin", "uniform", "random_init")
@@ -47,13 +45,9 @@ PRIVACY_NOTE = (
 def _task(config: configs.GsdConfig, roots: dict[str, pathlib.Path]) -> SharedInputTask:
     if config.data == "digits":
         return presets.digit_task()
-    from experiments.configs.nih import CxrExperimentConfig
-    from experiments.cxr import real_tasks
-
-    cxr_config = CxrExperimentConfig(
-        public=config.data, pipeline=config.pipeline, tasks=("Atelectasis",)
+    (task,) = chest_xray_tasks(
+        roots, public=config.data, image_size=PAPER_IMAGE_SIZE, findings=("Atelectasis",)
     )
-    (task,) = real_tasks(cxr_config, roots["nih_root"], roots["public_root"])
     return task
 
 
@@ -149,8 +143,7 @@ def main(
         seconds=time.time() - start,
         provenance=provenance(),
     )
-    write(out_dir, config, results)
-    return results
+    return finish(out_dir, results, markdown(config, results), name="gsd", plots={"gsd.png": plot})
 
 
 def _mean_std(values) -> dict[str, float]:
@@ -260,21 +253,20 @@ def markdown(config: configs.GsdConfig, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out_dir: pathlib.Path, config: configs.GsdConfig, results: dict) -> None:
-    """Writes gsd.json, gsd.md and gsd.png under `out_dir`."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "gsd.json").write_text(json.dumps(results, indent=1))
-    text = markdown(config, results)
-    (out_dir / "gsd.md").write_text(text + "\n")
-    print(text)
+def plot(results: dict, path: pathlib.Path) -> None:
+    """GSD per source beside each source's AUC when pretrained on alone, with the methods' AUCs.
+
+    Draws from `results` alone (`gsd.json` read back will do).
+    """
+    models = results["config"]["gradient_models"]
     names = results["source_names"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     positions = np.arange(len(names) + 1)
-    width = 0.8 / len(config.gradient_models)
-    for j, m in enumerate(config.gradient_models):
+    width = 0.8 / len(models)
+    for j, m in enumerate(models):
         values = [results["distances"][m][n] for n in (*names, CONTROL)]
         left.bar(positions + j * width, values, width, label=m)
-    left.set_xticks(positions + width * (len(config.gradient_models) - 1) / 2)
+    left.set_xticks(positions + width * (len(models) - 1) / 2)
     left.set_xticklabels([*names, "control"], rotation=60, ha="right", fontsize=7)
     left.set(ylabel="GSD to the sensitive task (lower = picked)", title="GSD per source")
     left.legend(fontsize=8)
@@ -290,37 +282,27 @@ def write(out_dir: pathlib.Path, config: configs.GsdConfig, results: dict) -> No
     right.set(ylim=(max(low, 0.0), 1.0), ylabel="test AUC", title="pretrain on one source")
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "gsd.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def cli() -> None:
-    parser = experiment_parser("gsd", __doc__.splitlines()[0], examples=("--preset cpu",))
-    parser.add_argument(
-        "--preset",
-        choices=("cpu", "tiny", "paper"),
-        default="cpu",
-        help="cpu: the digits default; paper: NIH Atelectasis with CheXpert's 14 labels",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/gsd"),
-        metavar="DIR",
-        help="output folder: gsd.json, gsd.md, gsd.png, stages/",
-    )
-    add_chest_xray_roots(parser, public="chexpert")
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
-    args = parser.parse_args()
-    main(
-        with_common_options(configs.get_config(args.preset), args),
+cli = Command(
+    name="gsd",
+    description=__doc__.splitlines()[0],
+    writes="gsd.json, gsd.md, gsd.png, stages/",
+    examples=("--preset cpu",),
+    presets=configs.PRESETS,
+    options=lambda parser: add_chest_xray_roots(parser, public="chexpert"),
+    quiet=True,
+    config=lambda args: configs.get_config(args.preset),
+    run=lambda config, args: main(
+        config,
         args.out,
         reproducible=args.reproducible,
         nih_root=args.nih_root,
         public_root=args.public_root,
-    )
+    ),
+)
 
 
 if __name__ == "__main__":

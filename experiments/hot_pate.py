@@ -26,13 +26,11 @@ Command and expected results: see `experiments/configs/hot_pate.py`.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
-import json
+import functools
 import math
-import os
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,30 +39,23 @@ import numpy as np
 from flax import nnx
 
 from dpmix_jax.data.builtin import load_text_mixture_task
-from dpmix_jax.data.tokenizer import TextTokenizer, train_bpe_tokenizer
+from dpmix_jax.data.tokenizer import TextTokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
 from dpmix_jax.pate import diversity, generation, metrics, samplers, smooth_sensitivity
 from dpmix_jax.pate.accounting import PateLedger
-from dpmix_jax.pate.public import (
-    heldout_perplexity,
+from dpmix_jax.pate.teachers import InContextTeachers, build_prompts, partition_records
+from dpmix_jax.privacy import SEEDED_NOTE, randomness
+from dpmix_jax.synthesis.public_models import (
+    TextDefaultModel,
     make_public_model,
     marked_text,
     newline_tokens,
-    split_public,
     split_sentences,
-    train_public_gpt2,
+    text_default_model,
 )
-from dpmix_jax.pate.teachers import InContextTeachers, build_prompts, partition_records
-from dpmix_jax.pipeline.common import fingerprint
-from dpmix_jax.privacy import SEEDED_NOTE, randomness
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.configs.hot_pate import HotPateConfig, NaturalConfig, get_config
+from experiments.common_args import experiment_main
+from experiments.configs.hot_pate import PRESETS, HotPateConfig, get_config
+from experiments.harness import Command, UsageError, finish
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -274,35 +265,31 @@ def sensitive_records(
     return [ids[:max_tokens] for ids in tokenizer.encode_batch(kept)]
 
 
-def _gpt2_config(config: NaturalConfig, vocab_size: int) -> GPT2Config:
-    preset = GPT2Config.tiny if config.model == "tiny" else GPT2Config.small
-    overrides = {"n_embd": config.width, "n_layer": config.depth}
-    return preset(
-        vocab_size=vocab_size,
-        n_positions=config.seq_len,
+def _public_settings(config: HotPateConfig) -> TextDefaultModel:
+    """Everything the public tokenizer and model depend on (their stage folder's key): the
+    natural task's GPT-2 preset with its width and depth overrides, trained on the public domains
+    with every `heldout_every`-th document held out."""
+    cfg = config.natural
+    preset = GPT2Config.tiny if cfg.model == "tiny" else GPT2Config.small
+    overrides = {"n_embd": cfg.width, "n_layer": cfg.depth}
+    gpt2 = preset(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.seq_len,
         **{k: v for k, v in overrides.items() if v is not None},
     )
-
-
-def train_public_model(
-    config: NaturalConfig, tokenizer: TextTokenizer, documents: Sequence[Sequence[str]], seed: int
-) -> tuple[GPT2, list[tuple[int, float]]]:
-    """Trains a GPT-2 on public documents (one source per domain, uniform mixture) with
-    `pate.public.train_public_gpt2`. Returns the model and its logged losses.
-    """
-
-    def report(step: int, loss: float) -> None:
-        _log(f"(b) public training step {step}/{config.train_steps}: loss {loss:.3f}")
-
-    return train_public_gpt2(
-        _gpt2_config(config, tokenizer.vocab_size),
-        tokenizer,
-        documents,
-        train_steps=config.train_steps,
-        batch_size=config.batch_size,
-        learning_rate=config.learning_rate,
-        seed=seed,
-        on_log=report,
+    return TextDefaultModel(
+        vocab_size=cfg.vocab_size,
+        width=gpt2.n_embd,
+        depth=gpt2.n_layer,
+        heads=gpt2.n_head,
+        seq_len=cfg.seq_len,
+        train_steps=cfg.train_steps,
+        batch_size=cfg.batch_size,
+        learning_rate=cfg.learning_rate,
+        max_public_per_domain=cfg.max_public_per_domain,
+        num_users=cfg.num_users,
+        seed=config.seed,
+        heldout_every=cfg.heldout_every,
     )
 
 
@@ -327,90 +314,38 @@ class PublicModel:
     cached: bool
 
 
-def _public_settings(config: HotPateConfig) -> dict:
-    """Everything the public tokenizer and model depend on (their stage folder's key)."""
-    cfg = config.natural
-    fields = (
-        "model", "width", "depth", "vocab_size", "train_steps", "batch_size", "seq_len",
-        "learning_rate", "max_public_per_domain", "heldout_every", "num_users",
-    )  # fmt: skip
-    return {
-        "stage": "hot_pate_public_model",
-        "seed": config.seed,
-        "package": importlib.metadata.version("dpmix_jax"),
-        **{name: getattr(cfg, name) for name in fields},
-    }
-
-
 def public_model(config: HotPateConfig, stages: pathlib.Path | None) -> PublicModel:
-    """The public tokenizer and GPT-2: read back from `stages/<settings fingerprint>/` when a
-    run with the same settings stored them there, else trained (and stored when `stages`).
+    """The public tokenizer and GPT-2 (`synthesis.public_models.text_default_model`): read back
+    from `stages/public_model-<settings key>/` when a run with the same settings stored them
+    there, else trained (and stored when `stages`).
 
     Privacy:
         Reads public documents only (the text default's public domains); the stored files hold
         nothing sensitive.
     """
-    cfg = config.natural
-    folder = None
-    if stages is not None:
-        folder = pathlib.Path(stages) / f"public_model-{fingerprint(_public_settings(config))[:16]}"
-    if folder is not None and (folder / "record.json").exists():
-        record = json.loads((folder / "record.json").read_text())
-        tokenizer = TextTokenizer.from_file(folder / "tokenizer.json")
-        model = GPT2(_gpt2_config(cfg, tokenizer.vocab_size), rngs=nnx.Rngs(0))
-        graphdef, state = nnx.split(model)
-        leaves, treedef = jax.tree.flatten(state)
-        with np.load(folder / "params.npz") as stored:
-            loaded = [stored[f"leaf{i}"] for i in range(len(leaves))]
-        if [a.shape for a in loaded] != [leaf.shape for leaf in leaves]:
-            raise ValueError(f"{folder / 'params.npz'} does not match the configured GPT-2.")
-        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, [jnp.asarray(a) for a in loaded]))
+
+    def log(message: str) -> None:
+        _log(f"(b) {message}")
+
+    trained = text_default_model(stages, _public_settings(config), log=log)
+    training = trained.training
+    if training.cached:
         _log(
-            f"(b) public model read back from {folder} (held-out perplexity "
-            f"{record['heldout_perplexity']:.1f})"
+            f"(b) public model read back ({trained.source}; held-out perplexity "
+            f"{training.heldout_perplexity:.1f})"
         )
-        return PublicModel(
-            tokenizer=tokenizer,
-            model=model,
-            train_loss=[tuple(x) for x in record["train_loss"]],
-            heldout_perplexity=record["heldout_perplexity"],
-            train_seconds=record["train_seconds"],
-            cached=True,
+    else:
+        _log(
+            f"(b) public model trained in {training.train_seconds:.0f} s; held-out perplexity "
+            f"{training.heldout_perplexity:.1f}"
         )
-    start = time.perf_counter()
-    task = load_text_mixture_task(
-        seed=config.seed, num_users=cfg.num_users, max_public_per_domain=cfg.max_public_per_domain
-    )
-    public = [task.public_domains[name] for name in task.domain_names]
-    tokenizer = train_bpe_tokenizer((d for docs in public for d in docs), vocab_size=cfg.vocab_size)
-    train_docs, heldout_docs = split_public(public, cfg.heldout_every)
-    model, history = train_public_model(cfg, tokenizer, train_docs, config.seed)
-    perplexity = heldout_perplexity(
-        model, tokenizer, [d for docs in heldout_docs for d in docs], cfg.seq_len
-    )
-    seconds = time.perf_counter() - start
-    _log(f"(b) public model trained in {seconds:.0f} s; held-out perplexity {perplexity:.1f}")
-    if folder is not None:
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(tmp / "tokenizer.json")
-        leaves = jax.tree.leaves(nnx.state(model))
-        np.savez(tmp / "params.npz", **{f"leaf{i}": np.asarray(x) for i, x in enumerate(leaves)})
-        record = {
-            "settings": _public_settings(config),
-            "train_loss": history,
-            "heldout_perplexity": perplexity,
-            "train_seconds": seconds,
-        }
-        (tmp / "record.json").write_text(json.dumps(record, indent=1))
-        tmp.replace(folder)
     return PublicModel(
-        tokenizer=tokenizer,
-        model=model,
-        train_loss=history,
-        heldout_perplexity=perplexity,
-        train_seconds=seconds,
-        cached=False,
+        tokenizer=trained.tokenizer,
+        model=trained.model,
+        train_loss=list(training.train_loss),
+        heldout_perplexity=training.heldout_perplexity,
+        train_seconds=training.train_seconds,
+        cached=training.cached,
     )
 
 
@@ -700,39 +635,44 @@ def release_parameters(config: HotPateConfig, n: int, vocab_size: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def plot_diversity(result: dict, out: pathlib.Path) -> None:
-    for n in sorted({r["num_teachers"] for r in result["rows"]}):
-        rows = [r for r in result["rows"] if r["num_teachers"] == n]
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for i, row in enumerate(rows):
-            color = f"C{i}"
-            for sampler, style in (("coordinated", "-"), ("independent", "--")):
-                m = row[sampler]
-                axes[0].plot(
-                    m["thresholds"],
-                    m["coverage"],
-                    style,
-                    color=color,
-                    label=f"k={row['k']} {sampler[:4]}",
-                )
-                axes[1].plot(m["thresholds"], m["support"], style, color=color)
-        for ax, name in zip(axes, ("coverage", "transferred support"), strict=True):
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("threshold T")
-            ax.set_ylabel(name)
-        axes[0].legend(fontsize=7, ncol=2)
-        fig.suptitle(f"Tunable diversity, n = {n} (solid: coordinated, dashed: independent)")
-        fig.tight_layout()
-        fig.savefig(out / f"diversity_n{n}.png", dpi=110)
-        plt.close(fig)
+def plot_diversity(result: dict, path: pathlib.Path, *, num_teachers: int) -> None:
+    """(a) at n = `num_teachers`: coverage and transferred support against T, one line per k
+    and sampler. Draws from `result` alone (`hot_pate.json` read back will do)."""
+    n = num_teachers
+    rows = [r for r in result["diversity"]["rows"] if r["num_teachers"] == n]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, row in enumerate(rows):
+        color = f"C{i}"
+        for sampler, style in (("coordinated", "-"), ("independent", "--")):
+            m = row[sampler]
+            axes[0].plot(
+                m["thresholds"],
+                m["coverage"],
+                style,
+                color=color,
+                label=f"k={row['k']} {sampler[:4]}",
+            )
+            axes[1].plot(m["thresholds"], m["support"], style, color=color)
+    for ax, name in zip(axes, ("coverage", "transferred support"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("threshold T")
+        ax.set_ylabel(name)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Tunable diversity, n = {n} (solid: coordinated, dashed: independent)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def plot_natural(result: dict, out: pathlib.Path) -> None:
+def plot_natural(result: dict, path: pathlib.Path) -> None:
+    """(b): coverage and support against T, mean over the decoding steps, per sampler. Draws
+    from `result` alone."""
+    natural = result["natural"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for sampler, style in (("coordinated", "-"), ("independent", "--")):
-        m = result["mean"][sampler]
-        axes[0].plot(result["thresholds"], m["coverage"], style, label=sampler)
-        axes[1].plot(result["thresholds"], m["support"], style, label=sampler)
+        m = natural["mean"][sampler]
+        axes[0].plot(natural["thresholds"], m["coverage"], style, label=sampler)
+        axes[1].plot(natural["thresholds"], m["support"], style, label=sampler)
     for ax, name in zip(
         axes, ("coverage (mean over steps)", "support (mean over steps)"), strict=True
     ):
@@ -741,8 +681,20 @@ def plot_natural(result: dict, out: pathlib.Path) -> None:
         ax.set_ylabel(name)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "natural.png", dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plots(result: dict) -> dict[str, Callable[[dict, pathlib.Path], None]]:
+    """The run's plots, file name -> `plot(result, path)`: `diversity_n<N>.png` for every n of
+    (a), `natural.png` for (b); none for the parts that did not run."""
+    files: dict[str, Callable[[dict, pathlib.Path], None]] = {}
+    if "diversity" in result:
+        for n in sorted({r["num_teachers"] for r in result["diversity"]["rows"]}):
+            files[f"diversity_n{n}.png"] = functools.partial(plot_diversity, num_teachers=n)
+    if "natural" in result:
+        files["natural.png"] = plot_natural
+    return files
 
 
 def markdown(result: dict) -> str:
@@ -949,19 +901,6 @@ def run_experiments(
     return result
 
 
-def write_report(result: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
-    """Writes hot_pate.json, hot_pate.md and the plots to `out_dir`; returns the folder."""
-    out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hot_pate.json").write_text(json.dumps(result, indent=1))
-    (out / "hot_pate.md").write_text(markdown(result))
-    if "diversity" in result:
-        plot_diversity(result["diversity"], out)
-    if "natural" in result:
-        plot_natural(result["natural"], out)
-    return out
-
-
 def main(
     config: HotPateConfig,
     out_dir: str | pathlib.Path,
@@ -969,55 +908,57 @@ def main(
     reproducible: bool = False,
     parts: Sequence[str] = PARTS,
 ) -> dict:
-    """Runs the chosen parts; writes JSON, markdown and plots to `out_dir`; returns the results.
+    """Runs the chosen parts; writes hot_pate.json, hot_pate.md and the plots (`plots`) to
+    `out_dir`, prints the tables and returns the results.
 
     The public tokenizer and GPT-2 are stored under `out_dir/stages/` (keyed by their settings)
     and read back by later runs with the same settings.
     """
-    result = run_experiments(
-        config, reproducible=reproducible, parts=parts, stages=pathlib.Path(out_dir) / "stages"
-    )
-    write_report(result, out_dir)
+    out = pathlib.Path(out_dir)
+    result = run_experiments(config, reproducible=reproducible, parts=parts, stages=out / "stages")
+    finish(out, result, markdown(result), name="hot_pate", plots=plots(result))
     _log(f"done in {result['seconds']['total']:.0f} s; wrote {out_dir}")
     return result
 
 
+def _options(parser) -> None:
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        metavar="LIST",
+        help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
+    )
+
+
+def _parts(text: str) -> tuple[str, ...]:
+    """The parts `--parts` lists, in its order."""
+    chosen = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not chosen or set(chosen) - set(PARTS):
+        raise UsageError(f"--parts must list some of {','.join(PARTS)}, got {text!r}")
+    return chosen
+
+
+def _config(args) -> HotPateConfig:
+    _parts(args.parts)  # a bad list stops the run before any work
+    return get_config(args.preset)
+
+
+cli = Command(
+    name="hot_pate",
+    description=__doc__.splitlines()[0],
+    writes="hot_pate.json, hot_pate.md, diversity_n<N>.png, natural.png and stages/ (the public"
+    " model)",
+    examples=("--preset cpu", "--preset cpu --parts natural,generation", "--preset tiny"),
+    presets=PRESETS,
+    options=_options,
+    seeds="one",
+    config=_config,
+    run=lambda config, args: main(
+        config, args.out, reproducible=args.reproducible, parts=_parts(args.parts)
+    ),
+)
+
+
 if __name__ == "__main__":
     with experiment_main("hot_pate"):
-        parser = experiment_parser(
-            "hot_pate",
-            __doc__.splitlines()[0],
-            examples=("--preset cpu", "--preset cpu --parts natural,generation", "--preset tiny"),
-        )
-        parser.add_argument(
-            "--preset",
-            default="cpu",
-            choices=("cpu", "paper", "tiny"),
-            help="cpu: n = 512 teachers on the embedded text (10 minutes and 4.2 GB on 2 CPU cores "
-            "when it trains its public model); tiny: seconds, for "
-            "tests; paper: the paper's sizes",
-        )
-        parser.add_argument(
-            "--out",
-            default="runs/hot_pate",
-            metavar="DIR",
-            help="output folder for the tables, JSON, plots and stages/ (the public model)",
-        )
-        parser.add_argument(
-            "--parts",
-            default=",".join(PARTS),
-            metavar="LIST",
-            help=f"comma-separated parts to run, of {','.join(PARTS)} (default: all)",
-        )
-        add_reproducible_flag(parser, seeds="--seeds")
-        add_seeds_option(parser, single=True)
-        args = parser.parse_args()
-        chosen = tuple(p.strip() for p in args.parts.split(",") if p.strip())
-        if not chosen or set(chosen) - set(PARTS):
-            parser.error(f"--parts must list some of {','.join(PARTS)}, got {args.parts!r}")
-        main(
-            with_common_options(get_config(args.preset), args),
-            args.out,
-            reproducible=args.reproducible,
-            parts=chosen,
-        )
+        cli()

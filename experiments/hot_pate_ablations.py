@@ -29,7 +29,6 @@ Command and settings: see `experiments/configs/hot_pate_ablations.py`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import time
@@ -56,15 +55,9 @@ from dpmix_jax.pate import (  # noqa: E402
 from dpmix_jax.pate.teachers import sampled_logits  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
-from experiments.common_args import (  # noqa: E402
-    add_out_option,
-    add_preset_option,
-    add_run_options,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import hot_pate_ablations as configs  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
 
 TITLE = "Hot PATE ablations: temperature, aggregators, privacy cost, API-only teachers"
 SAMPLERS = ("coordinated", "independent")
@@ -654,10 +647,7 @@ def main(
         results[name] = run(config, part_key, log)
         results.setdefault("part_seconds", {})[name] = time.time() - part_start
     results.update(noise_seeded=reproducible, seconds=time.time() - start, provenance=provenance())
-    print(markdown(config, results))
-    if out is not None:
-        write(out, config, results)
-    return results
+    return finish(out, results, markdown(config, results), plots={"hot_pate_ablations.png": plot})
 
 
 def _number(value: float | None, digits: int = 2, missing: str = "-") -> str:
@@ -829,20 +819,16 @@ def markdown(config: configs.AblationsConfig, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out: pathlib.Path, config: configs.AblationsConfig, results: dict) -> None:
-    """Writes results.json, results.md and hot_pate_ablations.png under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(markdown(config, results) + "\n")
-    plot(out / "hot_pate_ablations.png", config, results)
-
-
-def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> None:
+def plot(results: dict, path: pathlib.Path) -> None:
     """T at coverage vs temperature, calls within the budget vs k, coverage vs m, and (j)'s
-    group tokens released vs the stream's length."""
+    group tokens released vs the stream's length.
+
+    Draws from `results` alone (`results.json` read back will do).
+    """
+    config = results["config"]
     fig, (temp_ax, cost_ax, api_ax, individual_ax) = plt.subplots(1, 4, figsize=(20, 4.5))
     styles = {"coordinated": "-", "independent": "--"}
-    for index, k in enumerate(config.temperature_set_sizes):
+    for index, k in enumerate(config["temperature_set_sizes"]):
         rows = [r for r in results["temperature"] if r["k"] == k]
         for sampler, style in styles.items():
             temp_ax.plot(
@@ -855,7 +841,7 @@ def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
             )
     temp_ax.set(
         xlabel="teacher temperature t",
-        ylabel=f"largest T with coverage >= {config.coverage_level:g}",
+        ylabel=f"largest T with coverage >= {config['coverage_level']:g}",
     )
     temp_ax.legend(fontsize=8)
     cost = results["privacy_cost"]
@@ -872,10 +858,10 @@ def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
         xscale="log",
         yscale="log",
         xlabel="k (secret tokens)",
-        ylabel=f"DPWS calls within ε = {config.budget_epsilon:g} (0 drawn at 0.5)",
+        ylabel=f"DPWS calls within ε = {config['budget_epsilon']:g} (0 drawn at 0.5)",
     )
     cost_ax.legend(fontsize=8)
-    for index, k in enumerate(config.temperature_set_sizes):
+    for index, k in enumerate(config["temperature_set_sizes"]):
         rows = [r for r in results["api_teachers"] if r["k"] == k]
         sampled = [r for r in rows if r["samples"] is not None]
         api_ax.plot(
@@ -897,7 +883,7 @@ def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
     api_ax.set(xscale="log", xlabel="answers per teacher m", ylabel="coverage at T = n/2")
     api_ax.legend(fontsize=7)
     for index, method in enumerate(ACCOUNTINGS):
-        for position, heterogeneity in enumerate(config.individual_heterogeneity):
+        for position, heterogeneity in enumerate(config["individual_heterogeneity"]):
             style = ("-", "--", ":", "-.")[position % 4]
             rows = [
                 r
@@ -920,8 +906,8 @@ def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
     )
     individual_ax.legend(fontsize=7)
     fig.suptitle(
-        f"Hot PATE ablations, n = {config.num_teachers} synthetic teachers;"
-        f" r = {config.num_histograms} histograms per point",
+        f"Hot PATE ablations, n = {config['num_teachers']} synthetic teachers;"
+        f" r = {config['num_histograms']} histograms per point",
         fontsize=10,
     )
     fig.tight_layout()
@@ -929,18 +915,17 @@ def plot(path: pathlib.Path, config: configs.AblationsConfig, results: dict) -> 
     plt.close(fig)
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "hot_pate_ablations",
-        __doc__.splitlines()[0],
-        examples=("--out runs/hot_pate_ablations --reproducible", "--preset tiny --out runs/tiny"),
-    )
-    add_preset_option(parser, {"cpu": "n = 512 teachers, V = 2000, r = 1000", "tiny": "a test run"})
-    add_out_option(parser, "hot_pate_ablations", "results.json, results.md, hot_pate_ablations.png")
-    add_run_options(parser, single_seed=True)
-    args = parser.parse_args(argv)
-    config = with_common_options(configs.get_config(args.preset), args)
-    return main(config, args.out, reproducible=args.reproducible)
+cli = Command(
+    name="hot_pate_ablations",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, hot_pate_ablations.png",
+    examples=("--out runs/hot_pate_ablations --reproducible", "--preset tiny --out runs/tiny"),
+    presets=configs.PRESETS,
+    seeds="one",
+    quiet=True,
+    config=lambda args: configs.get_config(args.preset),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

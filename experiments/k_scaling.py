@@ -4,14 +4,15 @@ Trained proxies (default; the paper's Appendix A.6 at CPU scale): k public label
 one input set, one multi-head proxy trained on public images (one head per label function), ten
 sensitive tasks labelled by sparse mixtures of the label functions (`TrainedProxyConfig`). The
 proxy is trained once per seed with the largest k heads (cached under `DIR/proxies/`); smaller k
-use its first k heads. Synthetic proxies (`--proxies synthetic`, `mixture_problem`): k sigmoid
-proxies on Gaussian inputs with labels from an exact mixture of a few of them.
+use its first k heads. Synthetic proxies (`--proxies synthetic`,
+`mixing.synthetic.mixture_problem`): k sigmoid proxies on Gaussian inputs with labels from an
+exact mixture of a few of them.
 
 For every k, seed and task, DP-MixMin (mirror descent and Frank-Wolfe, T_k and η_k from
-`schedule`, C_k from public data) is compared with non-private MixMin on the same split, and
-rerun with σ = 0 to split the excess into optimisation + clipping bias and noise; the log-log
-slope of the mean excess over k >= `slope_min_k` is fitted (theory for DP-SCO: 0.5; the paper
-measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and `k_scaling.png`.
+`mixing.scaling.schedule`, C_k from public data) is compared with non-private MixMin on the same
+split, and rerun with σ = 0 to split the excess into optimisation + clipping bias and noise; the
+log-log slope of the mean excess over k >= `slope_min_k` is fitted (theory for DP-SCO: 0.5; the
+paper measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and `k_scaling.png`.
 
     python -m experiments.k_scaling --preset cpu --out DIR
     python -m experiments.k_scaling --preset paper --smoke --out DIR
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import time
 from collections.abc import Iterator
@@ -29,24 +29,20 @@ from collections.abc import Iterator
 import matplotlib
 
 matplotlib.use("Agg")
-import jax  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.data import builtin  # noqa: E402
 from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
-from dpmix_jax.pipeline.compare import provenance
+from dpmix_jax.mixing.scaling import gradient_norms, loglog_slope, public_clip_norm  # noqa: E402
+from dpmix_jax.mixing.synthetic import mixture_problem  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness  # noqa: E402
 from dpmix_jax.train import IndexedData, evaluate, proxies  # noqa: E402
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import k_scaling as configs  # noqa: E402
+from experiments.harness import Command, UsageError, finish  # noqa: E402
 from experiments.plot_labels import counted, display_name  # noqa: E402
 
 PAPER_SLOPE = 0.49
@@ -54,97 +50,8 @@ NUM_DIGITS = 10
 
 
 # --------------------------------------------------------------------------------------------
-# T and η as functions of k.
-# --------------------------------------------------------------------------------------------
-
-
-def mirror_descent_steps(
-    k: int, *, num_examples: int, epsilon: float, delta: float, max_steps: int
-) -> int:
-    """T_k = min(max_steps, ⌈(nε)² / (ln k · ln(1/δ))⌉).
-
-    Entropic mirror descent from uniform weights with step η and noisy gradients G_t has excess
-    <= ln k / (ηT) + (η/2) E‖G_t‖²_∞. With ‖clipped mean‖_∞ <= C and Gaussian noise of standard
-    deviation σC/b ≈ C√(T ln(1/δ))/(nε) per coordinate (Poisson rate q, σ ≈ q√(T ln(1/δ))/ε),
-    E‖G_t‖²_∞ ≈ C²(1 + 2 ln k · T ln(1/δ)/(nε)²). With η = √(2 ln k / T)/C the optimisation term
-    C√(2 ln k / T) and the noise term C ln k √(T ln(1/δ)) · √2/(nε) balance at this T_k.
-    """
-    balanced = (num_examples * epsilon) ** 2 / (math.log(k) * math.log(1.0 / delta))
-    return max(1, min(max_steps, math.ceil(balanced)))
-
-
-def frank_wolfe_steps(
-    k: int, *, num_examples: int, epsilon: float, delta: float, max_steps: int
-) -> int:
-    """T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
-
-    Private Frank-Wolfe over the simplex (Talwar, Thakurta, Zhang 2015): the curvature term of
-    the γ_t = 2/(t + 2) schedule falls like 1/T while each noisy vertex selection costs an
-    error growing like √T · ln k · √ln(1/δ)/(nε); they balance at T ∝ (nε / (ln k √ln(1/δ)))^(2/3).
-    """
-    ratio = num_examples * epsilon / (math.log(k) * math.sqrt(math.log(1.0 / delta)))
-    return max(1, min(max_steps, math.ceil(ratio ** (2.0 / 3.0))))
-
-
-def mirror_descent_learning_rate(
-    k: int, *, steps: int, clip_norm: float, step_size: float
-) -> float:
-    """η_k = step_size · √(2 ln k / T_k) / C_k (the bound's step with gradient bound C_k)."""
-    return step_size * math.sqrt(2.0 * math.log(k) / steps) / clip_norm
-
-
-def schedule(
-    config: configs.KScalingConfig, k: int, solver: str, clip_norm: float
-) -> tuple[int, float | None]:
-    """(T_k, η_k) of `solver` for k sources (η is None for Frank-Wolfe's 2/(t + 2) steps)."""
-    budget = dict(
-        num_examples=config.num_examples,
-        epsilon=config.epsilon,
-        delta=config.delta,
-        max_steps=config.max_steps,
-    )
-    if solver == "frank_wolfe":
-        return frank_wolfe_steps(k, **budget), None
-    steps = mirror_descent_steps(k, **budget)
-    rate = mirror_descent_learning_rate(
-        k, steps=steps, clip_norm=clip_norm, step_size=config.step_size
-    )
-    return steps, rate
-
-
-# --------------------------------------------------------------------------------------------
 # Problems: synthetic proxies, or trained proxies over public label functions.
 # --------------------------------------------------------------------------------------------
-
-
-def mixture_problem(
-    *,
-    num_examples: int,
-    num_sources: int,
-    seed: int,
-    num_features: int = 16,
-    support: int = 4,
-    proxy_scale: float = 3.0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """A synthetic `nll` problem whose true conditional is an exact mixture of the proxies.
-
-    Proxy i predicts f_i(x) = sigmoid(w_i·x + b_i) for x ~ N(0, I_d); λ* puts Dirichlet(1)
-    weights on `support` random sources (0 elsewhere); y ~ Bernoulli(Σ_i λ*_i f_i(x)). Since the
-    log loss is proper, λ* minimises the population MixMin objective.
-
-    Returns:
-        `preds` `(n, k)` float32 with P[j, i] = p_i(y_j | x_j), and λ* `(k,)`.
-    """
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(num_examples, num_features))
-    w = rng.normal(size=(num_features, num_sources)) * proxy_scale / np.sqrt(num_features)
-    f = 1.0 / (1.0 + np.exp(-(x @ w + rng.normal(size=num_sources))))
-    true_weights = np.zeros(num_sources)
-    chosen = rng.choice(num_sources, min(support, num_sources), replace=False)
-    true_weights[chosen] = rng.dirichlet(np.ones(len(chosen)))
-    labels = rng.random(num_examples) < f @ true_weights
-    preds = np.where(labels[:, None], f, 1.0 - f).astype(np.float32)
-    return preds, true_weights
 
 
 def digit_label_functions(count: int, *, seed: int) -> np.ndarray:
@@ -344,30 +251,6 @@ def task_labels(
     return (rng.random(probs.shape) < probs).astype(np.int64), weights
 
 
-# --------------------------------------------------------------------------------------------
-# C_k from public data.
-# --------------------------------------------------------------------------------------------
-
-
-def gradient_norms(preds: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Norms `(n,)` of the per-example gradients at `weights`, shifted as DP-MixMin shifts them.
-
-    Privacy: not private; call it on public data, or only to report diagnostics.
-    """
-    grad = jax.grad(mixing.shifted_example_loss("nll", mixing.DEFAULT_SHIFT))
-    examples = mixing.prepare_examples(preds)
-    return np.linalg.norm(np.asarray(jax.vmap(grad, in_axes=(None, 0))(weights, examples)), axis=1)
-
-
-def clip_norm_from_public(config: configs.KScalingConfig, public_preds: list[np.ndarray]) -> float:
-    """C_k = `clip_scale` × the `clip_quantile` quantile of the public problems' gradient norms
-    at uniform λ, rounded to the nearest 2^(j/4) (so that runs share compiled solvers)."""
-    k = public_preds[0].shape[1]
-    norms = np.concatenate([gradient_norms(p, np.full(k, 1.0 / k)) for p in public_preds])
-    raw = config.clip_scale * float(np.quantile(norms, config.clip_quantile))
-    return float(2.0 ** (round(4.0 * math.log2(raw)) / 4.0))
-
-
 @dataclasses.dataclass(frozen=True)
 class Instance:
     """One DP-MixMin problem: a task's proxy outputs on the sensitive split, and its λ* when
@@ -376,6 +259,10 @@ class Instance:
     task: int
     preds: np.ndarray
     true_weights: np.ndarray | None
+
+
+def _clip_norm(config: configs.KScalingConfig, public_preds: list[np.ndarray]) -> float:
+    return public_clip_norm(public_preds, quantile=config.clip_quantile, scale=config.clip_scale)
 
 
 def synthetic_instances(
@@ -392,7 +279,7 @@ def synthetic_instances(
         preds, true_weights = mixture_problem(
             num_examples=config.num_examples, num_sources=k, seed=seed, **problem
         )
-        yield k, clip_norm_from_public(config, [public]), [Instance(0, preds, true_weights)]
+        yield k, _clip_norm(config, [public]), [Instance(0, preds, true_weights)]
 
 
 def trained_instances(
@@ -430,7 +317,7 @@ def trained_instances(
                 weights = None  # λ* uses label functions outside these k
             preds = proxies.nll_matrix(outputs["sensitive_logits"][:, :k], labels[:, t])
             instances.append(Instance(t, preds.astype(np.float32), weights))
-        yield k, clip_norm_from_public(config, public), instances
+        yield k, _clip_norm(config, public), instances
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,7 +360,7 @@ def run_instance(
     if instance.true_weights is not None:
         row["true_weights_excess"] = mixing.excess_loss(instance.true_weights, reference, preds)
     for solver in config.solvers:
-        steps, learning_rate = schedule(config, k, solver, clip_norm)
+        steps, learning_rate = config.schedule(k, solver, clip_norm)
         row[f"{solver}_steps"] = steps
         row[f"{solver}_learning_rate"] = learning_rate
         excess = {}
@@ -512,7 +399,7 @@ def main(
     if config.trained is not None and config.trained.data == "imagenet_cifar100":
         _require_tfds(config.trained.tfds_data_dir)  # fail before any work
     q = min(1.0, config.batch_size / config.num_examples)
-    all_steps = sorted({schedule(config, k, s, 1.0)[0] for k in config.ks for s in config.solvers})
+    all_steps = sorted({config.schedule(k, s, 1.0)[0] for k in config.ks for s in config.solvers})
     # σ depends on T_k only: the rate and the target are the same for every run.
     noise_multiplier = {
         steps: accounting.calibrate_noise_multiplier(
@@ -569,10 +456,13 @@ def main(
         "rows": rows,
         **summary,
     }
-    print(markdown(config, results))
-    if out is not None:
-        write(out, config, results)
-    return results
+    return finish(
+        out,
+        results,
+        markdown(config, results),
+        name="k_scaling",
+        plots={"k_scaling.png": plot},
+    )
 
 
 def summarise(config: configs.KScalingConfig, rows: list[dict]) -> dict:
@@ -618,12 +508,6 @@ def summarise(config: configs.KScalingConfig, rows: list[dict]) -> dict:
         "part_slopes": part_slopes,
         "max_epsilon": max(r[f"{s}_epsilon"] for r in rows for s in config.solvers),
     }
-
-
-def loglog_slope(ks: np.ndarray, values: np.ndarray, min_k: int) -> float:
-    """Least-squares slope of log(values) on log(k) over k >= min_k (values floored at 1e-12)."""
-    keep = ks >= min_k
-    return float(np.polyfit(np.log(ks[keep]), np.log(np.maximum(values[keep], 1e-12)), 1)[0])
 
 
 def _setting(config: configs.KScalingConfig) -> str:
@@ -697,14 +581,6 @@ def markdown(config: configs.KScalingConfig, summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out: pathlib.Path, config: configs.KScalingConfig, results: dict) -> None:
-    """Writes k_scaling.json, k_scaling.md and k_scaling.png under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "k_scaling.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "k_scaling.md").write_text(markdown(config, results) + "\n")
-    plot(results, out / "k_scaling.png")
-
-
 def plot(results: dict, path: pathlib.Path) -> None:
     """Excess loss against k per solver (mean ± std over seeds × tasks), with its fitted slope
     and a line of the paper's slope through the first point of the fit.
@@ -765,24 +641,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "k_scaling",
-        __doc__.splitlines()[0],
-        examples=(
-            "--preset cpu",
-            "--preset cpu --proxies synthetic",
-            "--preset paper",
-            "--preset paper --smoke",
-        ),
-    )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "paper"),
-        help="cpu: k up to 1000 trained heads on MNIST-5k (or 256 synthetic sources); paper:"
-        " ImageNet classes as sources for CIFAR-100 tasks through tfds, k up to 1000",
-    )
+def _options(parser) -> None:
     parser.add_argument(
         "--proxies",
         default="trained",
@@ -791,30 +650,37 @@ def cli(argv: list[str] | None = None) -> dict:
         " proxies with an exact-mixture label model",
     )
     parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/k_scaling"),
-        metavar="DIR",
-        help="output folder: k_scaling.json, k_scaling.md, k_scaling.png (and the proxy cache)",
-    )
-    parser.add_argument(
         "--smoke",
         action="store_true",
         help="with --preset paper: its data, ResNet-50 proxy, image size, heads and both solvers,"
         " but k in {2, 4, 8}, one seed, two tasks, n = 8 and one proxy step of batch 2 (a test"
         " that the paper path runs; its excess losses mean nothing)",
     )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    args = parser.parse_args(argv)
+
+
+def _config(args) -> configs.KScalingConfig:
     if args.smoke and args.preset != "paper":
-        parser.error("--smoke applies to --preset paper")
+        raise UsageError("--smoke applies to --preset paper")
     if args.smoke and args.proxies != "trained":
-        parser.error("--smoke applies to the trained proxies, not --proxies synthetic")
-    config = with_common_options(
-        configs.get_config(args.preset, args.proxies, smoke_test=args.smoke), args
-    )
-    return main(config, args.out, reproducible=args.reproducible)
+        raise UsageError("--smoke applies to the trained proxies, not --proxies synthetic")
+    return configs.get_config(args.preset, args.proxies, smoke_test=args.smoke)
+
+
+cli = Command(
+    name="k_scaling",
+    description=__doc__.splitlines()[0],
+    writes="k_scaling.json, k_scaling.md, k_scaling.png (and the proxy cache)",
+    examples=(
+        "--preset cpu",
+        "--preset cpu --proxies synthetic",
+        "--preset paper",
+        "--preset paper --smoke",
+    ),
+    presets=configs.PRESETS,
+    options=_options,
+    config=_config,
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ Writes `results.json` (config, command, commit, date, wall time, whether the noi
 the table) and `results.md`, with each unit's comparison under `image/` and `patient/`.
 
     python -m experiments.patient_level --reproducible --out runs/patient_level
+
+Settings and measured results: `experiments/configs/patient_level.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -31,74 +32,13 @@ import numpy as np
 
 from dpmix_jax.data.sources import ArraySource
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, image, presets, run_comparison
-from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import provenance, summarize
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
 from dpmix_jax.privacy import SEEDED_NOTE
-from experiments.common_args import (
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.run_files import write_results
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PatientLevelConfig:
-    """Settings of the study (see the module docstring).
-
-    Attributes:
-        pipeline: the image-unit pipeline settings (the patient unit is derived from them).
-        max_images_per_patient: G of the patient unit.
-        mean_images_per_patient: the mean of the synthetic patient sizes.
-        patient_seed: the public seed of the patient sizes and assignment.
-        epsilons, seeds, methods: the grid, the same for both units.
-        image_size: side of the digit images.
-    """
-
-    pipeline: image.ImagePipelineConfig = dataclasses.field(
-        default_factory=presets.image_demo_config
-    )
-    max_images_per_patient: int = 4
-    mean_images_per_patient: float = 3.6
-    patient_seed: int = 0
-    epsilons: tuple[float, ...] = (1.0, 4.0)
-    seeds: tuple[int, ...] = (0, 1, 2)
-    methods: tuple[str, ...] = ("dp_mixmin", "uniform", "random_init")
-    image_size: int = 16
-
-    def __post_init__(self) -> None:
-        if self.pipeline.privacy_unit != "image":
-            raise ValueError("pipeline must be the image-unit settings; the study derives both.")
-        if not self.mean_images_per_patient >= 1:
-            raise ValueError(
-                f"mean_images_per_patient must be >= 1, got {self.mean_images_per_patient!r}."
-            )
-        if not isinstance(self.max_images_per_patient, int) or self.max_images_per_patient < 1:
-            raise ValueError(
-                f"max_images_per_patient must be an integer >= 1, got "
-                f"{self.max_images_per_patient!r}."
-            )
-
-    def unit_pipelines(self) -> dict[str, image.ImagePipelineConfig]:
-        """The pipeline settings of each unit: the image unit's as given; the patient unit's with
-        both expected batches divided by the design mean of images per patient (about the same
-        rate q)."""
-        base = self.pipeline
-        scale = 1 / self.mean_images_per_patient
-        patient = dataclasses.replace(
-            base,
-            mixture=dataclasses.replace(base.mixture, batch_size=base.mixture.batch_size * scale),
-            finetune=dataclasses.replace(
-                base.finetune, batch_size=max(1, round(base.finetune.batch_size * scale))
-            ),
-        )
-        return {
-            "image": base,
-            "patient": image.with_privacy_unit(patient, "patient", self.max_images_per_patient),
-        }
+from experiments.common_args import experiment_main
+from experiments.configs.patient_level import PatientLevelConfig, get_config
+from experiments.harness import Command, finish
+from experiments.run_files import as_json
 
 
 def with_synthetic_patients(
@@ -165,17 +105,14 @@ def main(
         "task": task.name,
         "train_images": len(task.train),
         "train_patients": patients,
-        "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        "config": as_json(dataclasses.asdict(config)),
         "provenance": provenance(),
         "noise_seeded": reproducible,
         "units": units,
         "table": table_rows(units, config),
         "wall_s": time.time() - start,
     }
-    text = markdown(results)
-    write_results(out, results, text)
-    print(text)
-    return results
+    return finish(out, results, markdown(results))
 
 
 def table_rows(units: dict, config: PatientLevelConfig) -> list[dict]:
@@ -242,29 +179,17 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "patient_level",
-        __doc__.splitlines()[0],
-        examples=("--reproducible", "--reproducible --out runs/patient_level"),
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/patient_level"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, image/ and patient/ comparisons, stages/",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
-    args = parser.parse_args(argv)
-    return main(
-        with_common_options(PatientLevelConfig(), args),
-        args.out,
-        reproducible=args.reproducible,
-        progress=not args.quiet,
-    )
+cli = Command(
+    name="patient_level",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, image/ and patient/ comparisons, stages/",
+    examples=("--reproducible", "--reproducible --out runs/patient_level"),
+    quiet=True,
+    config=lambda args: get_config(),
+    run=lambda config, args: main(
+        config, args.out, reproducible=args.reproducible, progress=not args.quiet
+    ),
+)
 
 
 if __name__ == "__main__":

@@ -17,26 +17,17 @@ import numpy as np
 from dpmix_jax.data.sources import ArraySource, Source
 from dpmix_jax.mixing import cosine_similarity
 from dpmix_jax.pipeline import ImagePipeline, SharedInputTask, presets, run_comparison
-from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import (
     METHOD_NAMES,
     provenance,
     provenance_line,
     randomness_line,
 )
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
 from dpmix_jax.privacy.accounting import format_epsilon
-from experiments.common_args import (
-    add_chest_xray_roots,
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
-from experiments.configs.nih import CxrExperimentConfig
-from experiments.configs.per_task import PerTaskConfig, get_config
-from experiments.run_files import write_results
+from experiments.common_args import add_chest_xray_roots, chest_xray_tasks, experiment_main
+from experiments.configs.per_task import PRESETS, PerTaskConfig, get_config
+from experiments.harness import Command, finish
 
 METHODS = ("dp_mixmin", "uniform", "random_search", "random_init")
 BASELINE = "random_init"
@@ -207,15 +198,9 @@ def build_tasks(config: PerTaskConfig, roots: Mapping[str, pathlib.Path]) -> lis
     """The digit tasks (one per prevalence scale) or one task per NIH finding."""
     if config.data == "digits":
         return _digit_tasks(config)
-    from experiments.cxr import real_tasks
-
-    cxr_config = CxrExperimentConfig(
-        public=config.data,
-        pipeline=config.pipeline,
-        tasks=config.findings,
-        image_size=config.image_size,
+    return chest_xray_tasks(
+        roots, public=config.data, image_size=config.image_size, findings=config.findings
     )
-    return real_tasks(cxr_config, roots["nih_root"], roots["public_root"])
 
 
 def task_row(
@@ -534,51 +519,34 @@ def main(
         "seconds": time.perf_counter() - start,
         "provenance": provenance(),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    text = markdown(report)
-    write_results(out_dir, report, text)
-    plot(report, out_dir / "per_task_gains.png")
-    print(text)
-    return report
+    return finish(out_dir, report, markdown(report), plots={"per_task_gains.png": plot})
+
+
+cli = Command(
+    name="per_task",
+    description="Per-task relative AUC gains of DP-MixMin, Uniform and Random Search over Random "
+    "Initialisation at one ε, tasks grouped by prevalence, and the rare-label task's λ.",
+    writes="results.md, results.json, per_task_gains.png, task<i>/",
+    examples=(
+        "--preset cpu --reproducible",
+        "--preset paper --nih-root data/nih --public-root data/chexpert",
+        "--preset paper_mimic --nih-root data/nih --public-root data/mimic",
+    ),
+    presets=PRESETS,
+    options=lambda parser: add_chest_xray_roots(parser, public=None),
+    quiet=True,
+    config=lambda args: get_config(args.preset),
+    run=lambda config, args: main(
+        config,
+        args.out,
+        reproducible=args.reproducible,
+        progress=not args.quiet,
+        nih_root=args.nih_root,
+        public_root=args.public_root or pathlib.Path(f"data/{config.data}"),
+    ),
+)
 
 
 if __name__ == "__main__":
     with experiment_main("per_task"):
-        parser = experiment_parser(
-            "per_task",
-            "Per-task relative AUC gains of DP-MixMin, Uniform and Random Search over Random "
-            "Initialisation at one ε, tasks grouped by prevalence, and the rare-label task's λ.",
-            examples=(
-                "--preset cpu --reproducible",
-                "--preset paper --nih-root data/nih --public-root data/chexpert",
-                "--preset paper_mimic --nih-root data/nih --public-root data/mimic",
-            ),
-        )
-        parser.add_argument(
-            "--preset",
-            choices=("cpu", "paper", "paper_mimic"),
-            default="cpu",
-            help="cpu: the multi-task digits default (offline); paper / paper_mimic: the 14 NIH "
-            "findings with CheXpert / MIMIC-CXR as public data",
-        )
-        parser.add_argument(
-            "--out",
-            type=pathlib.Path,
-            default=pathlib.Path("runs/per_task"),
-            metavar="DIR",
-            help="output folder: results.md, results.json, per_task_gains.png, task<i>/",
-        )
-        add_chest_xray_roots(parser, public=None)
-        add_reproducible_flag(parser, seeds="--seeds")
-        add_seeds_option(parser)
-        add_quiet_flag(parser)
-        args = parser.parse_args()
-        config = with_common_options(get_config(args.preset), args)
-        main(
-            config,
-            args.out,
-            reproducible=args.reproducible,
-            progress=not args.quiet,
-            nih_root=args.nih_root,
-            public_root=args.public_root or pathlib.Path(f"data/{config.data}"),
-        )
+        cli()

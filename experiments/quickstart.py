@@ -9,7 +9,7 @@ and the printed (ε, δ) is the ledger's for the steps run (ε <= 2 at δ = 1e-5
 
 from __future__ import annotations
 
-from dpmix_jax import cli
+from dpmix_jax.cli import arguments
 from experiments.common_args import add_reproducible_flag, experiment_main, experiment_parser
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser.add_argument("--steps", type=int, default=300, metavar="T", help="DP-SGD steps")
     parser.add_argument(
         "--seeds",
-        type=cli.parse_seed,
+        type=arguments.parse_seed,
         nargs="+",
         default=[0],
         metavar="SEED",

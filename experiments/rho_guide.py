@@ -1,7 +1,7 @@
 """ρ guide: measured excess loss of DP-MixMin against the error bound over mixture-split sizes n.
 
 For every ε, n and seed: a synthetic problem with a known optimum λ*
-(`experiments.k_scaling.mixture_problem`), DP-MixMin and non-private MixMin on its first n
+(`mixing.synthetic.mixture_problem`), DP-MixMin and non-private MixMin on its first n
 examples, and the population excess F(λ) - F(λ*) on held-out examples, beside the bound of
 `mixing.excess_loss_bound` (B = 1, C = the run's clip norm) and its regime; the sufficient n
 for α comes from `mixing.sufficient_mixture_size`. Writes `rho_guide.json`, `rho_guide.md` and
@@ -12,7 +12,6 @@ See `experiments/configs/rho_guide.py` for the command and the paper's operating
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import time
 
@@ -23,17 +22,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
-from dpmix_jax.pipeline.compare import provenance
+from dpmix_jax.mixing.scaling import gradient_norms, loglog_slope  # noqa: E402
+from dpmix_jax.mixing.synthetic import mixture_problem  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import rho_guide as configs  # noqa: E402
-from experiments.k_scaling import gradient_norms, loglog_slope, mixture_problem  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
 from experiments.plot_labels import counted  # noqa: E402
 
 # The paper's operating points (appendix A.2, ρ = 0.1, ε = 1): (setting, k, α, units, what a
@@ -164,10 +159,13 @@ def main(
         "seconds": time.time() - start,
         "provenance": provenance(),
     }
-    print(markdown(config, results))
-    if out is not None:
-        write(out, config, results)
-    return results
+    return finish(
+        out,
+        results,
+        markdown(config, results),
+        name="rho_guide",
+        plots={"rho_guide.png": plot},
+    )
 
 
 def summarise(config: configs.RhoGuideConfig, rows: list[dict], clip_norm: float) -> list[dict]:
@@ -264,14 +262,6 @@ def markdown(config: configs.RhoGuideConfig, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out: pathlib.Path, config: configs.RhoGuideConfig, results: dict) -> None:
-    """Writes rho_guide.json, rho_guide.md and rho_guide.png under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rho_guide.json").write_text(json.dumps(results, indent=2))
-    (out / "rho_guide.md").write_text(markdown(config, results) + "\n")
-    plot(results, out / "rho_guide.png")
-
-
 def plot(results: dict, path: pathlib.Path) -> None:
     """Measured excess loss (mean ± std over seeds) and the bound against n, per ε.
 
@@ -333,31 +323,15 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def cli() -> None:
-    parser = experiment_parser(
-        "rho_guide", __doc__.splitlines()[0], examples=("--preset cpu", "--preset paper")
-    )
-    parser.add_argument(
-        "--preset",
-        default="cpu",
-        choices=("cpu", "tiny", "paper"),
-        help="cpu: k = 8, n from 250 to 64,000, ε in {0.1, 1}; paper: k = 14, n up to 256,000",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/rho_guide"),
-        metavar="DIR",
-        help="output folder: rho_guide.json, rho_guide.md, rho_guide.png",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    args = parser.parse_args()
-    main(
-        with_common_options(configs.get_config(args.preset), args),
-        args.out,
-        reproducible=args.reproducible,
-    )
+cli = Command(
+    name="rho_guide",
+    description=__doc__.splitlines()[0],
+    writes="rho_guide.json, rho_guide.md, rho_guide.png",
+    examples=("--preset cpu", "--preset paper"),
+    presets=configs.PRESETS,
+    config=lambda args: configs.get_config(args.preset),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The paper's Lemma 4.1 contrast: private hyperparameter search over mixtures must try more
 candidates as the number of sources k grows, and pays for every one of them, while DP-MixMin's
 budget does not depend on k. On the synthetic exact-mixture problem
-(`experiments.k_scaling.mixture_problem`), for every k and seed:
+(`mixing.synthetic.mixture_problem`), for every k and seed:
 
 * DP-MixMin at (ε, δ) (the k-scaling schedule: T_k, η_k, C_k from public data) and its excess
   MixMin loss over non-private MixMin on the same split;
@@ -38,21 +38,15 @@ import numpy as np  # noqa: E402
 
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.mixing import objectives  # noqa: E402
-from dpmix_jax.pipeline import common, presets  # noqa: E402
+from dpmix_jax.mixing.scaling import public_clip_norm  # noqa: E402
+from dpmix_jax.mixing.synthetic import mixture_problem  # noqa: E402
+from dpmix_jax.pipeline import presets, splits  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, randomness, validation  # noqa: E402
 from dpmix_jax.privacy.plan import plan_dp_sgd  # noqa: E402
-from experiments import k_scaling  # noqa: E402
-from experiments.common_args import (  # noqa: E402
-    add_out_option,
-    add_preset_option,
-    add_run_options,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import search_cost as configs  # noqa: E402
-from experiments.run_files import write_results  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
 
 TITLE = "Search cost: Random Search's privacy budget against DP-MixMin's, by number of sources k"
 
@@ -168,14 +162,12 @@ def run_problem(
     shape = dict(
         num_features=config.num_features, support=config.support, proxy_scale=config.proxy_scale
     )
-    public, _ = k_scaling.mixture_problem(
+    public, _ = mixture_problem(
         num_examples=config.public_examples, num_sources=k, seed=config.public_seed, **shape
     )
-    preds, _ = k_scaling.mixture_problem(
-        num_examples=config.num_examples, num_sources=k, seed=seed, **shape
-    )
-    clip_norm = k_scaling.clip_norm_from_public(problem, [public])
-    steps, learning_rate = k_scaling.schedule(problem, k, config.solver, clip_norm)
+    preds, _ = mixture_problem(num_examples=config.num_examples, num_sources=k, seed=seed, **shape)
+    clip_norm = public_clip_norm([public], quantile=config.clip_quantile, scale=config.clip_scale)
+    steps, learning_rate = problem.schedule(k, config.solver, clip_norm)
     reference = np.asarray(
         mixing.mixmin(
             preds, steps=config.reference_steps, learning_rate=config.reference_learning_rate
@@ -192,7 +184,7 @@ def run_problem(
         seed=seed * 1000 + k if reproducible else randomness.secret_seed(),
         solver=config.solver,
     )
-    candidates = common.dirichlet_candidates(k, config.candidate_pool, seed=seed * 1000 + k)
+    candidates = splits.dirichlet_candidates(k, config.candidate_pool, seed=seed * 1000 + k)
     pool = candidate_excesses(preds, reference, candidates)
     return {
         "k": k,
@@ -260,7 +252,7 @@ def main(
     start = time.time()
     problem = config.problem()
     q = min(1.0, config.batch_size / config.num_examples)
-    all_steps = sorted({k_scaling.schedule(problem, k, config.solver, 1.0)[0] for k in config.ks})
+    all_steps = sorted({problem.schedule(k, config.solver, 1.0)[0] for k in config.ks})
     noise_multiplier = {
         steps: accounting.calibrate_noise_multiplier(
             target_epsilon=config.epsilon, delta=config.delta, sampling_rate=q, steps=steps
@@ -292,10 +284,7 @@ def main(
     }
     results["seconds"] = time.time() - start
     results["provenance"] = provenance()
-    print(markdown(config, results))
-    if out is not None:
-        write(out, config, results)
-    return results
+    return finish(out, results, markdown(config, results), plots={"search_cost.png": plot})
 
 
 def _count(m: int | None, counts: tuple[int, ...]) -> str:
@@ -363,14 +352,17 @@ def markdown(config: configs.SearchCostConfig, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(out: pathlib.Path, config: configs.SearchCostConfig, results: dict) -> None:
-    """Writes results.json, results.md and search_cost.png under `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_results(out, results, markdown(config, results))
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Random Search's ε against DP-MixMin's, and m*(k), against k.
+
+    Draws from `results` alone (`results.json` read back will do).
+    """
+    config = results["config"]
+    counts = config["candidate_counts"]
     per_k = results["per_k"]
     ks = np.array([row["k"] for row in per_k])
     found = np.array([row["m_star"] is not None for row in per_k])
-    largest = str(max(config.candidate_counts))
+    largest = str(max(counts))
     fig, (cost, count) = plt.subplots(1, 2, figsize=(11, 5))
     composed = np.array([row["random_search_epsilon"] or np.nan for row in per_k])
     naive = np.array([row["naive_epsilon"] or np.nan for row in per_k])
@@ -397,7 +389,7 @@ def write(out: pathlib.Path, config: configs.SearchCostConfig, results: dict) ->
         label="DP-MixMin",
     )
     cost.set(xscale="log", yscale="log", xlabel="number of sources k", ylabel="ε spent")
-    cost.set_title(f"ε to match DP-MixMin's excess at ε = {config.epsilon}", fontsize=10)
+    cost.set_title(f"ε to match DP-MixMin's excess at ε = {config['epsilon']}", fontsize=10)
     cost.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
     count.plot(ks[found], [row["m_star"] for row in per_k if row["m_star"]], "o-", color="C1")
     if (~found).any():
@@ -410,26 +402,22 @@ def write(out: pathlib.Path, config: configs.SearchCostConfig, results: dict) ->
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xticks(ks, [str(k) for k in ks])
-    count.set_yticks(config.candidate_counts, [str(m) for m in config.candidate_counts])
+    count.set_yticks(counts, [str(m) for m in counts])
     fig.tight_layout()
-    fig.savefig(out / "search_cost.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "search_cost",
-        __doc__.splitlines()[0],
-        examples=("--out runs/search_cost --reproducible", "--preset tiny --out runs/tiny"),
-    )
-    add_preset_option(
-        parser, {"cpu": "k in {2, ..., 64}, 5 seeds, n = 20,000", "tiny": "a seconds-long test run"}
-    )
-    add_out_option(parser, "search_cost", "results.json, results.md, search_cost.png")
-    add_run_options(parser)
-    args = parser.parse_args(argv)
-    config = with_common_options(configs.get_config(args.preset), args)
-    return main(config, args.out, reproducible=args.reproducible)
+cli = Command(
+    name="search_cost",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, search_cost.png",
+    examples=("--out runs/search_cost --reproducible", "--preset tiny --out runs/tiny"),
+    presets=configs.PRESETS,
+    quiet=True,
+    config=lambda args: configs.get_config(args.preset),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Gradient shift: DP-MixMin's λ with each per-unit gradient shift, at the preset's C and a tuned C.
 
-Runs only the mixture stage of the image and text defaults (the machinery of
-`experiments.small_eps`): for every shift of `mixing.SHIFTS`, a clip norm is tuned on other draws
-of the default's data, then DP-MixMin runs at ε = 1 with the preset's C and the tuned C on the
-reported data, all shifts and clip norms of a seed on the same batches and noise draws. See
+Runs only the mixture stage of the image and text defaults (`pipeline.default_pipelines`, as
+`experiments.small_eps` does): for every shift of `mixing.SHIFTS`, a clip norm is tuned on other
+draws of the default's data, then DP-MixMin runs at ε = 1 with the preset's C and the tuned C on
+the reported data, all shifts and clip norms of a seed on the same batches and noise draws. See
 `experiments/configs/shift_study.py`. Writes `results.json`, `results.md` and
 `cosine_vs_clip_norm.png`.
 """
@@ -11,7 +11,6 @@ reported data, all shifts and clip norms of a seed on the same batches and noise
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
@@ -23,24 +22,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.mixing import cosine_similarity, dp_mixmin, excess_loss  # noqa: E402
-from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
-from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
+from dpmix_jax.mixing import cosine_similarity, dp_mixmin, excess_loss, uniform_cosine  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
-from dpmix_jax.pipeline.text_presets import text_task  # noqa: E402
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache  # noqa: E402
+from dpmix_jax.pipeline.default_pipelines import default_pipeline  # noqa: E402
+from dpmix_jax.pipeline.mixture_pipeline import MixturePipeline  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
-from experiments import small_eps  # noqa: E402
-from experiments.common_args import (  # noqa: E402
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import shift_study as configs  # noqa: E402
-from experiments.configs import small_eps as small_eps_configs  # noqa: E402
-from experiments.run_files import write_results  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
+from experiments.run_files import as_json  # noqa: E402
+
+# The stage folders of the reported draw of each default (those of `experiments.small_eps`).
+REPORTED_STAGES = {"image": "image0", "text": "text"}
 
 
 def run_cells(
@@ -102,7 +96,7 @@ def run_cells(
                 "weights": np.asarray(result.weights).tolist(),
                 "cosine": cosine_similarity(result.weights, reference),
                 "excess_loss": excess_loss(result.weights, reference, **loss_inputs),
-                "uniform_cosine": small_eps.uniform_cosine(reference),
+                "uniform_cosine": uniform_cosine(reference),
             }
         )
     return rows
@@ -205,33 +199,6 @@ def report(
 def _mean_std(rows: list[dict], name: str) -> tuple[float, float]:
     values = np.array([r[name] for r in rows])
     return float(values.mean()), float(values.std())
-
-
-def tuning_pipelines(
-    name: str, config: configs.ShiftStudyConfig, root: pathlib.Path, *, reproducible: bool
-) -> tuple[list[MixturePipeline], tuple[int, ...]]:
-    """The tuning draws of a default: one pipeline per tuning seed (its data seed)."""
-    if name == "image":
-        seeds = config.image_tuning_seeds
-        return [
-            ImagePipeline(
-                presets.digit_task(seed=s),
-                config.image,
-                root / f"image{s}",
-                reproducible=reproducible,
-            )
-            for s in seeds
-        ], seeds
-    seeds = config.text_tuning_seeds
-    return [
-        TextPipeline(
-            text_task(seed=s, level=config.text.level),
-            config.text,
-            root / f"text{s}",
-            reproducible=reproducible,
-        )
-        for s in seeds
-    ], seeds
 
 
 def markdown(results: dict) -> str:
@@ -354,25 +321,26 @@ def main(
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     use_compilation_cache(out / "xla_cache")
-    # The reported defaults, exactly as the small-ε study builds them.
-    reported = small_eps_configs.SmallEpsConfig(
-        data="builtin",
-        image=config.image,
-        text=config.text,
-        epsilons=(config.epsilon,),
-        seeds=config.seeds,
-    )
     defaults = {}
-    for name, task_name, pipeline in small_eps._pipelines(
-        reported, out / "stages", {}, reproducible
-    ):
-        tuning_set, tuning_seeds = tuning_pipelines(
-            name, config, out / "stages" / "tuning", reproducible=reproducible
-        )
+    for name, folder in REPORTED_STAGES.items():
+        settings = getattr(config, name)
+        if settings is None:
+            continue
+        pipeline = default_pipeline(settings, out / "stages" / folder, reproducible=reproducible)
+        tuning_seeds = getattr(config, f"{name}_tuning_seeds")
+        tuning_set = [
+            default_pipeline(
+                settings,
+                out / "stages" / "tuning" / f"{name}{seed}",
+                seed=seed,
+                reproducible=reproducible,
+            )
+            for seed in tuning_seeds
+        ]
         tuning = tune(name, tuning_set, tuning_seeds, config)
-        print(f"{name} default: {task_name}", flush=True)
+        print(f"{name} default: {pipeline.task.name}", flush=True)
         defaults[name] = {
-            "task": task_name,
+            "task": pipeline.task.name,
             "preset_shift": pipeline.config.mixture.shift,
             "preset_clip_norm": pipeline.config.mixture.clip_norm,
             "tuning_grid": grid(pipeline, config),
@@ -380,40 +348,25 @@ def main(
             **report(pipeline, config, tuning["best"]),
         }
     results = {
-        "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        "config": as_json(dataclasses.asdict(config)),
         "command": " ".join(["python -m experiments.shift_study", *sys.argv[1:]]),
         "noise_seeded": reproducible,
         "defaults": defaults,
         "wall_s": time.time() - start,
         "provenance": provenance(),
     }
-    text = markdown(results)
-    write_results(out, results, text)
-    plot(results, out / "cosine_vs_clip_norm.png")
-    print(text)
-    return results
+    return finish(out, results, markdown(results), plots={"cosine_vs_clip_norm.png": plot})
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "shift_study",
-        __doc__.splitlines()[0],
-        examples=("--reproducible --quiet --out runs/shift_study",),
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/shift_study"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, cosine_vs_clip_norm.png, stages/",
-    )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
-    args = parser.parse_args(argv)
-    return main(
-        with_common_options(configs.get_config(), args), args.out, reproducible=args.reproducible
-    )
+cli = Command(
+    name="shift_study",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, cosine_vs_clip_norm.png, stages/",
+    examples=("--reproducible --quiet --out runs/shift_study",),
+    quiet=True,
+    config=lambda args: configs.get_config(),
+    run=lambda config, args: main(config, args.out, reproducible=args.reproducible),
+)
 
 
 if __name__ == "__main__":

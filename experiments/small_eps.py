@@ -10,11 +10,10 @@ default's mixture settings (T, η, b, C, ρ) on other draws of its data. See
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import matplotlib
 
@@ -22,23 +21,23 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dpmix_jax.mixing import cosine_similarity, dp_mixmin  # noqa: E402
-from dpmix_jax.pipeline import ImagePipeline, TextPipeline, presets  # noqa: E402
-from dpmix_jax.pipeline.common import MixturePipeline, use_compilation_cache  # noqa: E402
-from dpmix_jax.pipeline.compare import provenance
-from dpmix_jax.pipeline.text_presets import text_task  # noqa: E402
+from dpmix_jax.mixing import cosine_similarity, dp_mixmin, uniform_cosine  # noqa: E402
+from dpmix_jax.pipeline import ImagePipeline, TextPipeline  # noqa: E402
+from dpmix_jax.pipeline.compare import provenance  # noqa: E402
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache  # noqa: E402
+from dpmix_jax.pipeline.default_pipelines import default_pipeline  # noqa: E402
+from dpmix_jax.pipeline.mixture_pipeline import MixturePipeline  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE  # noqa: E402
-from experiments.common_args import (
+from experiments.common_args import (  # noqa: E402
     add_chest_xray_roots,
-    add_quiet_flag,
-    add_reproducible_flag,
-    add_seeds_option,
+    chest_xray_tasks,
     experiment_main,
-    experiment_parser,
-    with_common_options,
 )
 from experiments.configs import small_eps as configs  # noqa: E402
-from experiments.run_files import write_results  # noqa: E402
+from experiments.configs.enron import TextExperimentConfig  # noqa: E402
+from experiments.configs.nih import PAPER_IMAGE_SIZE  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
+from experiments.run_files import as_json  # noqa: E402
 
 # The papers' cosines to non-private MixMin (Tables 11, 14, 15): (DP-MixMin, uniform reference).
 PAPER = {
@@ -52,12 +51,6 @@ PAPER = {
         2.0: ("0.92 ± 0.05 (Enron)", "0.40 (Enron)"),
     },
 }
-
-
-def uniform_cosine(reference: np.ndarray) -> float:
-    """cos(1/k, λ_ref): the uniform reference's cosine to a mixture λ_ref."""
-    reference = np.asarray(reference, np.float64)
-    return cosine_similarity(np.full(len(reference), 1.0 / len(reference)), reference)
 
 
 def measure(
@@ -135,17 +128,17 @@ def sweep(config: configs.SmallEpsConfig, root: pathlib.Path, *, reproducible: b
     Privacy: the sweep reads only data seeds disjoint from the reported task's (data seed 0);
     its DP runs are accounted like the mixture stage, and the twins (σ = 0) are not private.
     """
-    pipelines: dict[tuple[int, float], ImagePipeline] = {}
+    pipelines: dict[tuple[int, float], MixturePipeline] = {}
     results = []
     for point in config.sweep:
         cells = []
         for seed in config.sweep_seeds:
             key = (seed, point.mix_fraction)
             if key not in pipelines:
-                pipelines[key] = ImagePipeline(
-                    presets.digit_task(seed=seed),
+                pipelines[key] = default_pipeline(
                     dataclasses.replace(config.image, mix_fraction=point.mix_fraction),
                     root / f"data{seed}",
+                    seed=seed,
                     reproducible=reproducible,
                 )
             pipeline = pipelines[key]
@@ -317,37 +310,35 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def _pipelines(config: configs.SmallEpsConfig, root: pathlib.Path, roots: dict, reproducible):
-    """(default name, task name, pipeline) of every task the study measures."""
+def _pipelines(
+    config: configs.SmallEpsConfig, root: pathlib.Path, roots: dict, reproducible: bool
+) -> Iterator[tuple[str, str, MixturePipeline]]:
+    """(default name, task name, pipeline) of every task the study measures: the embedded
+    defaults, or NIH's findings with CheXpert and Enron."""
     if config.data == "builtin":
-        image_tasks = [presets.digit_task()] if config.image is not None else []
-        text_tasks = [text_task(level=config.text.level)] if config.text is not None else []
-    else:
-        from experiments import enron
-        from experiments.configs.enron import TextExperimentConfig
-        from experiments.configs.nih import CxrExperimentConfig
-        from experiments.cxr import real_tasks
-
-        image_tasks = text_tasks = []
-        if config.image is not None:
-            cxr_config = CxrExperimentConfig(public="chexpert", pipeline=config.image)
-            image_tasks = real_tasks(cxr_config, roots["nih_root"], roots["public_root"])
-        if config.text is not None:
-            data_root = pathlib.Path(roots["data_root"])
-            text_config = TextExperimentConfig(
-                data="enron",
-                pipeline=config.text,
-                enron_root=str(data_root / "enron" / "maildir"),
-                public_root=str(data_root / "common_pile"),
+        for name, settings, folder in (
+            ("image", config.image, "image0"),
+            ("text", config.text, "text"),
+        ):
+            if settings is not None:
+                pipeline = default_pipeline(settings, root / folder, reproducible=reproducible)
+                yield name, pipeline.task.name, pipeline
+        return
+    if config.image is not None:
+        tasks = chest_xray_tasks(roots, public="chexpert", image_size=PAPER_IMAGE_SIZE)
+        for index, task in enumerate(tasks):
+            pipeline = ImagePipeline(
+                task, config.image, root / f"image{index}", reproducible=reproducible
             )
-            text_tasks = [enron.build_task(text_config)]
-    for index, task in enumerate(image_tasks):
-        yield (
-            "image",
-            task.name,
-            ImagePipeline(task, config.image, root / f"image{index}", reproducible=reproducible),
-        )
-    for task in text_tasks:
+            yield "image", task.name, pipeline
+    if config.text is not None:
+        data_root = pathlib.Path(roots["data_root"])
+        task = TextExperimentConfig(
+            data="enron",
+            pipeline=config.text,
+            enron_root=str(data_root / "enron" / "maildir"),
+            public_root=str(data_root / "common_pile"),
+        ).task()
         yield (
             "text",
             task.name,
@@ -392,7 +383,7 @@ def main(
     }
     swept = sweep(config, out / "stages" / "sweep", reproducible=reproducible) if run_sweep else []
     results = {
-        "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        "config": as_json(dataclasses.asdict(config)),
         "command": " ".join(["python -m experiments.small_eps", *sys.argv[1:]]),
         "noise_seeded": reproducible,
         "defaults": defaults,
@@ -401,33 +392,10 @@ def main(
         "wall_s": time.time() - start,
         "provenance": provenance(),
     }
-    text = markdown(results)
-    write_results(out, results, text)
-    plot(results, out / "cosine_vs_epsilon.png")
-    print(text)
-    return results
+    return finish(out, results, markdown(results), plots={"cosine_vs_epsilon.png": plot})
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "small_eps",
-        __doc__.splitlines()[0],
-        examples=("--preset cpu", "--preset cpu --no-sweep --reproducible"),
-    )
-    parser.add_argument(
-        "--preset",
-        choices=("cpu", "paper"),
-        default="cpu",
-        help="cpu: the embedded image and text defaults, with the sweep; paper: NIH with "
-        "CheXpert and Enron (real data, an accelerator)",
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/small_eps"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, cosine_vs_epsilon.png, stages/",
-    )
+def _options(parser) -> None:
     parser.add_argument(
         "--no-sweep", action="store_true", help="skip the sweep of the image mixture settings"
     )
@@ -446,21 +414,27 @@ def cli(argv: list[str] | None = None) -> dict:
         metavar="DIR",
         help="paper preset: holds gpt2/ (the proxies' starting weights)",
     )
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    add_quiet_flag(parser)
-    args = parser.parse_args(argv)
-    return main(
-        with_common_options(
-            configs.get_config(args.preset, weights_root=str(args.weights_root)), args
-        ),
+
+
+cli = Command(
+    name="small_eps",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, cosine_vs_epsilon.png, stages/",
+    examples=("--preset cpu", "--preset cpu --no-sweep --reproducible"),
+    presets=configs.PRESETS,
+    options=_options,
+    quiet=True,
+    config=lambda args: configs.get_config(args.preset, weights_root=str(args.weights_root)),
+    run=lambda config, args: main(
+        config,
         args.out,
         reproducible=args.reproducible,
         run_sweep=not args.no_sweep,
         nih_root=args.nih_root,
         public_root=args.public_root,
         data_root=args.data_root,
-    )
+    ),
+)
 
 
 if __name__ == "__main__":

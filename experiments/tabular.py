@@ -21,28 +21,21 @@ and `results.md` and `utility_vs_epsilon.png` to `--out`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import pathlib
 import time
 
 import numpy as np
 
 from dpmix_jax.data.tabular import TILT_COLUMN, load_fair_task
-from dpmix_jax.pipeline.common import use_compilation_cache
 from dpmix_jax.pipeline.compare import REFERENCE_NOTES, provenance
+from dpmix_jax.pipeline.compilation_cache import use_compilation_cache
 from dpmix_jax.pipeline.tabular import RATIO_METHOD, TabularPipeline
 from dpmix_jax.privacy import SEEDED_NOTE
-from experiments.common_args import (
-    add_reproducible_flag,
-    add_seeds_option,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from experiments.common_args import experiment_main
 from experiments.configs.tabular import TabularStudyConfig, get_config
-from experiments.run_files import write_results
+from experiments.harness import Command, finish
+from experiments.run_files import as_json
 
 
 def task_summary(task) -> dict:
@@ -71,9 +64,14 @@ def run_one(pipeline: TabularPipeline, method: str, epsilon: float, seed: int):
 
 
 def main(
-    config: TabularStudyConfig, out: pathlib.Path, *, reproducible: bool = False, quiet=False
+    config: TabularStudyConfig,
+    out: pathlib.Path,
+    *,
+    reproducible: bool = False,
+    quiet: bool = False,
 ) -> dict:
-    """Runs the grid; writes `results.json`, `results.md` and the plot to `out`."""
+    """Runs the grid; writes `results.json`, `results.md` and the plot to `out` (with `quiet`,
+    no line per run: only the table is printed)."""
     start = time.time()
     out.mkdir(parents=True, exist_ok=True)
     use_compilation_cache(out / "xla_cache")
@@ -98,7 +96,7 @@ def main(
         "table_source": "statsmodels.datasets.fair (bundled CSV)",
         "source_names": list(task.source_names),
         "tasks": tasks,
-        "config": json.loads(json.dumps(dataclasses.asdict(config), default=str)),
+        "config": as_json(dataclasses.asdict(config)),
         "provenance": provenance(),
         "noise_seeded": reproducible,
         "runs": runs,
@@ -106,12 +104,7 @@ def main(
         "differences": differences(runs, config),
         "wall_s": time.time() - start,
     }
-    text = markdown(results)
-    write_results(out, results, text)
-    plot(results, out / "utility_vs_epsilon.png")
-    if not quiet:
-        print(text)
-    return results
+    return finish(out, results, markdown(results), plots={"utility_vs_epsilon.png": plot})
 
 
 def _select(runs: list[dict], **match) -> list[dict]:
@@ -259,25 +252,17 @@ def plot(results: dict, path: pathlib.Path) -> None:
     plt.close(figure)
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "tabular",
-        __doc__.splitlines()[0],
-        examples=("--reproducible", "--reproducible --out runs/tabular"),
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("runs/tabular"),
-        metavar="DIR",
-        help="output folder: results.json, results.md, utility_vs_epsilon.png, stages/",
-    )
-    parser.add_argument("--quiet", action="store_true", help="print only the final table")
-    add_reproducible_flag(parser, seeds="--seeds")
-    add_seeds_option(parser)
-    args = parser.parse_args(argv)
-    config = with_common_options(get_config(), argparse.Namespace(seeds=args.seeds))
-    return main(config, args.out, reproducible=args.reproducible, quiet=args.quiet)
+cli = Command(
+    name="tabular",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, utility_vs_epsilon.png, stages/",
+    examples=("--reproducible", "--reproducible --out runs/tabular"),
+    quiet=True,
+    config=lambda args: get_config(),
+    run=lambda config, args: main(
+        config, args.out, reproducible=args.reproducible, quiet=args.quiet
+    ),
+)
 
 
 if __name__ == "__main__":

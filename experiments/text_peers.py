@@ -2,13 +2,13 @@
 2024 and PMixED on the same teachers, public model, documents and (ε, δ).
 
 For each BBC topic of the text default, the sentences of half of the topic's held-out articles
-are split among n in-context teachers over the public GPT-2 (`pate.synthesize.build_ensemble`;
+are split among n in-context teachers over the public GPT-2 (`synthesis.build_ensemble`;
 one sentence is one unit). Every method writes `lines_per_topic` lines per topic through
-`pate.synthesize.synthesize`, calibrated so that its worst case costs at most the target
+`synthesis.synthesize`, calibrated so that its worst case costs at most the target
 (ε, δ) by its own analysis; the ε reported is the one for what ran. The topics hold disjoint
 sentences, so a run's output is (max over topics ε, δ)-DP by parallel composition.
 
-Measured per run (`pate.quality`): a TF-IDF + logistic-regression classifier trained on the
+Measured per run (`synthesis.quality`): a TF-IDF + logistic-regression classifier trained on the
 synthetic lines, labelled by topic, tested on real sentences of the other held-out articles;
 MAUVE of the synthetic lines against those real sentences (features: the public model's
 last-token states); the share of generated words in the public corpus's vocabulary; distinct-2;
@@ -35,41 +35,26 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from dpmix_jax import synthesis  # noqa: E402
 from dpmix_jax.data.builtin import held_out_domains, load_text_mixture_task  # noqa: E402
-from dpmix_jax.pate import public, quality, synthesize  # noqa: E402
 from dpmix_jax.pate.peers import reference  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
-from experiments.common_args import (  # noqa: E402
-    add_out_option,
-    add_preset_option,
-    add_run_options,
-    experiment_main,
-    experiment_parser,
-    with_common_options,
-)
+from dpmix_jax.synthesis import public_models, quality  # noqa: E402
+from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import text_peers as configs  # noqa: E402
-from experiments.run_files import write_results  # noqa: E402
+from experiments.harness import Command, finish  # noqa: E402
 
 TITLE = "Private text generators head to head: topic-conditioned lines on the BBC domains"
+# Each private method's name in `synthesis.METHODS`.
+SYNTHESIZE_METHOD = {**configs.HOT_PATE_METHODS, **{name: name for name in synthesis.PEER_METHODS}}
 LABELS = {
-    "hot_pate": "Hot PATE (coordinated)",
-    "independent_pate": "PATE (independent)",
-    "invisibleink": "InvisibleInk",
-    "amin": "Amin et al. 2024",
-    "pmixed": "PMixED",
+    **{name: synthesis.REGISTRY[method].label for name, method in SYNTHESIZE_METHOD.items()},
     "public": "public model (ε = 0)",
     "nonprivate": "teachers' average (ε = ∞)",
 }
 # The public corpus separates paragraphs by blank lines: after one, the model starts a new line.
 SEPARATOR = "\n\n"
-SYNTHESIZE_METHOD = {
-    "hot_pate": "coordinated",
-    "independent_pate": "independent",
-    "invisibleink": "invisibleink",
-    "amin": "amin",
-    "pmixed": "pmixed",
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,7 +83,7 @@ def topic_data(config: configs.TextPeersConfig) -> dict[str, TopicData]:
         articles = held_out[f"bbc_{topic}"]
 
         def sentences(part, topic=topic):
-            lines = public.split_sentences(part, min_chars=config.min_chars)
+            lines = public_models.split_sentences(part, min_chars=config.min_chars)
             return [line[: config.max_chars] for line in lines]
 
         teachers = sentences(articles[0::2])
@@ -140,7 +125,7 @@ def _teachers(config: configs.TextPeersConfig) -> dict:
 
 def private_run(
     config: configs.TextPeersConfig,
-    model: public.PublicTextModel,
+    model: public_models.PublicTextModel,
     data: dict[str, TopicData],
     method: str,
     epsilon: float,
@@ -157,7 +142,7 @@ def private_run(
     lines, labels, spent, tokens, passes, seconds = [], [], [], 0, 0, 0.0
     for index, topic in enumerate(config.topics):
         start = time.perf_counter()
-        result = synthesize.synthesize(
+        result = synthesis.synthesize(
             data[topic].documents,
             model,
             epsilon=epsilon,
@@ -189,7 +174,7 @@ def private_run(
 
 def reference_run(
     config: configs.TextPeersConfig,
-    model: public.PublicTextModel,
+    model: public_models.PublicTextModel,
     data: dict[str, TopicData],
     which: str,
     seed: int,
@@ -205,7 +190,7 @@ def reference_run(
     for index, topic in enumerate(config.topics):
         topic_key = jax.random.fold_in(key, index)
         start = time.perf_counter()
-        ensemble = synthesize.build_ensemble(
+        ensemble = synthesis.build_ensemble(
             data[topic].documents,
             model,
             num_teachers=config.num_teachers,
@@ -345,7 +330,7 @@ def main(
             print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
 
     stages = None if out is None else out / "stages"
-    model = public.text_default_model(stages, config.model, log=log)
+    model = public_models.text_default_model(stages, config.model, log=log)
     data = topic_data(config)
     vocabulary = public_vocabulary(config)
     featurize = _featurizer(model)
@@ -379,7 +364,7 @@ def main(
         "config": dataclasses.asdict(config),
         "model": {
             "source": model.source,
-            "heldout_perplexity": public.heldout_perplexity(
+            "heldout_perplexity": public_models.heldout_perplexity(
                 model.model,
                 model.tokenizer,
                 [s for topic in config.topics for s in data[topic].test],
@@ -397,13 +382,12 @@ def main(
         "seconds": time.time() - start,
         "provenance": provenance(),
     }
-    print(markdown(config, results))
     if out is not None:
-        write(out, config, results, samples)
-    return results
+        write_samples(out, samples)
+    return finish(out, results, markdown(config, results), plots={"text_peers.png": plot})
 
 
-def _featurizer(model: public.PublicTextModel):
+def _featurizer(model: public_models.PublicTextModel):
     """MAUVE's features from the public model, each set of texts featurized once."""
     gpt2_features = quality.gpt2_features(
         model.model, model.tokenizer, max_tokens=model.context_length
@@ -430,6 +414,18 @@ def _row(method: str, epsilon: float | None, seed: int, run: dict, measures: dic
     }
 
 
+def _with_defaults(stored: dict, defaults: dict) -> dict:
+    """The `stored` settings, nested ones included, with every setting added after the run was
+    stored at its default (the run ran with it)."""
+    merged = {**defaults, **stored}
+    return {
+        name: _with_defaults(value, defaults[name])
+        if isinstance(value, dict) and isinstance(defaults.get(name), dict)
+        else value
+        for name, value in merged.items()
+    }
+
+
 def rescore(config: configs.TextPeersConfig, out: pathlib.Path) -> dict:
     """Recomputes every measure of the finished run in `out` from its samples.jsonl and the
     generation records of its results.json (ε spent, tokens, seconds, teacher passes) without
@@ -443,14 +439,13 @@ def rescore(config: configs.TextPeersConfig, out: pathlib.Path) -> dict:
         raise ValueError(f"{out} holds no finished run (results.json and samples.jsonl)")
     stored = json.loads((out / "results.json").read_text())
     mine = json.loads(json.dumps(dataclasses.asdict(config), default=str))
-    # A setting added after the run was stored ran at its default then.
     defaults = json.loads(json.dumps(dataclasses.asdict(configs.TextPeersConfig()), default=str))
-    if {k: v for k, v in {**defaults, **stored["config"]}.items() if k != "progress"} != {
+    if {k: v for k, v in _with_defaults(stored["config"], defaults).items() if k != "progress"} != {
         k: v for k, v in mine.items() if k != "progress"
     }:
         raise ValueError(f"the run in {out} was made with other settings than these")
     samples = [json.loads(line) for line in (out / "samples.jsonl").open()]
-    model = public.text_default_model(out / "stages", config.model)
+    model = public_models.text_default_model(out / "stages", config.model)
     data = topic_data(config)
     vocabulary = public_vocabulary(config)
     featurize = _featurizer(model)
@@ -475,9 +470,8 @@ def rescore(config: configs.TextPeersConfig, out: pathlib.Path) -> dict:
         "generation_provenance": stored.get("generation_provenance", stored["provenance"]),
         "provenance": provenance(),
     }
-    print(markdown(config, results))
-    write(out, config, results, samples)
-    return results
+    write_samples(out, samples)
+    return finish(out, results, markdown(config, results), plots={"text_peers.png": plot})
 
 
 def _cell(entry: dict, name: str, digits: int = 2) -> str:
@@ -492,15 +486,19 @@ def _epsilon_label(entry: dict) -> str:
     return "-" if epsilon is None else f"{epsilon:g}"
 
 
+def _teacher_kind(teachers: str) -> str:
+    return "fine-tuned teachers" if teachers == "fine_tuned" else "in-context teachers"
+
+
 def _teacher_label(config: configs.TextPeersConfig) -> str:
     if config.teachers == "fine_tuned":
         tuning = config.tuning
         return (
-            f"fine-tuned teachers (each a rank-{tuning.lora.rank} LoRA adapter on the last"
-            f" {tuning.last_blocks} block(s), {tuning.steps} full-batch Adam steps on its own"
+            f"{_teacher_kind(config.teachers)} (each a rank-{tuning.lora.rank} LoRA adapter on the"
+            f" last {tuning.last_blocks} block(s), {tuning.steps} full-batch Adam steps on its own"
             " sentences)"
         )
-    return "in-context teachers"
+    return _teacher_kind(config.teachers)
 
 
 def _texts_per_epsilon(config: configs.TextPeersConfig, entry: dict) -> str:
@@ -563,27 +561,28 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
     return "\n".join(lines)
 
 
-def write(
-    out: pathlib.Path, config: configs.TextPeersConfig, results: dict, samples: list[dict]
-) -> None:
-    """Writes results.json, results.md, samples.jsonl and text_peers.png under `out`."""
+def write_samples(out: pathlib.Path, samples: list[dict]) -> None:
+    """Writes every generated line, one JSON object a line, to `out/samples.jsonl`."""
     out.mkdir(parents=True, exist_ok=True)
-    write_results(out, results, markdown(config, results))
     with (out / "samples.jsonl").open("w") as f:
         for sample in samples:
             f.write(json.dumps(sample, ensure_ascii=False) + "\n")
-    plot(out / "text_peers.png", config, results)
 
 
-def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> None:
-    """Utility against ε, one line per method, the ε = 0 and ε = ∞ references drawn across."""
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Utility against ε, one line per method, the ε = 0 and ε = ∞ references drawn across.
+
+    Draws from `results` alone (`results.json` read back will do).
+    """
+    config = results["config"]
+    epsilons = config["epsilons"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for ax, name, label in (
         (axes[0], "accuracy", "downstream accuracy (real test sentences)"),
         (axes[1], "topic_fidelity", "topic fidelity (classifier trained on real)"),
         (axes[2], "mauve", "MAUVE against real sentences"),
     ):
-        for index, method in enumerate(config.methods):
+        for index, method in enumerate(config["methods"]):
             entries = sorted(
                 (e for e in results["summary"] if e["method"] == method),
                 key=lambda e: e["target_epsilon"],
@@ -602,14 +601,15 @@ def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> 
             if entry is not None:
                 ax.axhline(entry[name]["mean"], color="k", linestyle=style, label=LABELS[which])
         ax.set(xscale="log", xlabel="ε (each topic's run; δ fixed)", ylabel=label)
-        ax.set_xticks(config.epsilons, [f"{e:g}" for e in config.epsilons])
+        ax.set_xticks(epsilons, [f"{e:g}" for e in epsilons])
     for ax in axes[:2]:
-        ax.axhline(1 / len(config.topics), color="0.6", linewidth=0.8, label="chance")
+        ax.axhline(1 / len(config["topics"]), color="0.6", linewidth=0.8, label="chance")
     axes[0].legend(fontsize=7)
+    # Runs stored before the fine-tuned teachers had only in-context ones.
+    teachers = _teacher_kind(config.get("teachers", "in_context"))
     fig.suptitle(
-        f"Topic-conditioned lines, {config.num_teachers} {_teacher_label(config).split(' (')[0]}"
-        " per topic; error bars: std"
-        f" over {len(config.seeds)} seeds",
+        f"Topic-conditioned lines, {config['num_teachers']} {teachers} per topic; error bars: std"
+        f" over {len(config['seeds'])} seeds",
         fontsize=10,
     )
     fig.tight_layout()
@@ -617,33 +617,35 @@ def plot(path: pathlib.Path, config: configs.TextPeersConfig, results: dict) -> 
     plt.close(fig)
 
 
-def cli(argv: list[str] | None = None) -> dict:
-    parser = experiment_parser(
-        "text_peers",
-        __doc__.splitlines()[0],
-        examples=(
-            "--out runs/text_peers --reproducible",
-            "--out runs/text_peers --rescore",
-            "--preset fine_tuned --out runs/text_peers_fine_tuned --reproducible",
-            "--preset tiny --out runs/tiny",
-        ),
-    )
-    add_preset_option(parser, configs.PRESETS)
-    add_out_option(
-        parser, "text_peers", "results.json, results.md, samples.jsonl, text_peers.png, stages/"
-    )
+def _options(parser) -> None:
     parser.add_argument(
         "--rescore",
         action="store_true",
         help="recompute the measures of the finished run in --out from its samples.jsonl, "
         "without generating again",
     )
-    add_run_options(parser)
-    args = parser.parse_args(argv)
-    config = with_common_options(configs.get_config(args.preset), args)
-    if args.rescore:
-        return rescore(config, args.out)
-    return main(config, args.out, reproducible=args.reproducible)
+
+
+cli = Command(
+    name="text_peers",
+    description=__doc__.splitlines()[0],
+    writes="results.json, results.md, samples.jsonl, text_peers.png, stages/",
+    examples=(
+        "--out runs/text_peers --reproducible",
+        "--out runs/text_peers --rescore",
+        "--preset fine_tuned --out runs/text_peers_fine_tuned --reproducible",
+        "--preset tiny --out runs/tiny",
+    ),
+    presets=configs.PRESETS,
+    options=_options,
+    quiet=True,
+    config=lambda args: configs.get_config(args.preset),
+    run=lambda config, args: (
+        rescore(config, args.out)
+        if args.rescore
+        else main(config, args.out, reproducible=args.reproducible)
+    ),
+)
 
 
 if __name__ == "__main__":

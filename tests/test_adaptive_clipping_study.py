@@ -6,11 +6,12 @@ import pytest
 
 from dpmix_jax.pipeline import presets
 from experiments import adaptive_clipping as study
+from experiments.configs.adaptive_clipping import AdaptiveClippingStudyConfig
 
 
 @pytest.mark.slow
 def test_tiny_study_writes_its_results(tmp_path):
-    config = study.AdaptiveClippingStudyConfig(
+    config = AdaptiveClippingStudyConfig(
         seeds=(0,), clip_scales=(1.0, 10.0), steps=3, pretrain_steps=2
     )
     results = study.main(config, tmp_path, reproducible=True, task=presets.digit_task(image_size=8))

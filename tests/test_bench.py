@@ -40,7 +40,7 @@ def _adapter_parameters(rank: int) -> int:
 @pytest.mark.slow
 def test_micro_preset_writes_valid_json(tmp_path):
     path = tmp_path / "bench.json"
-    bench_grads.main(["--preset", "micro", "--out", str(tmp_path)])
+    bench_grads.cli(["--preset", "micro", "--out", str(tmp_path)])
     report = json.loads(path.read_text())
     config = get_config("micro")
     rows = report["results"]

@@ -624,8 +624,9 @@ def test_demo_noise_flags_are_checked_before_any_work(flags, message, capsys):
 @pytest.mark.slow
 def test_tiny_experiment_writes_results_at_equal_epsilon(tmp_path):
     from experiments import correlated_noise as study
+    from experiments.configs.correlated_noise import CorrelatedNoiseConfig
 
-    config = study.CorrelatedNoiseConfig(
+    config = CorrelatedNoiseConfig(
         bands=(2,), epsilons=(2.0,), seeds=(0,), finetune_steps=4, long_bands=(4,),
         long_epsilons=(2.0,), long_batch_size=8, long_steps=8,
         long_optimizers=(("adam", None), ("momentum", 0.05)),

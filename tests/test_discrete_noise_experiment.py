@@ -8,12 +8,13 @@ import pytest
 from dpmix_jax.pate import accounting as pate_accounting
 from dpmix_jax.privacy import SEEDED_NOTE, accounting, discrete_noise
 from experiments import discrete_noise as study
+from experiments.configs.discrete_noise import DiscreteNoiseConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_tiny_run_writes_results_from_the_library(tmp_path):
-    config = study.DiscreteNoiseConfig(
+    config = DiscreteNoiseConfig(
         vocab_size=500, repeats=1, laplace_epsilons=(1.0,), gaussian_sigmas=(3,), delta=1e-5
     )
     results = study.main(config, tmp_path, reproducible=True)

@@ -1,4 +1,5 @@
-"""k-scaling with trained proxies: label functions, the T/η schedule, an end-to-end run."""
+"""k-scaling with trained proxies: label functions, the config's T/η schedule, an end-to-end
+run."""
 
 import dataclasses
 import json
@@ -31,24 +32,12 @@ def test_digit_label_functions_nest_and_depend_on_the_seed():
             k_scaling.digit_label_functions(bad, seed=0)
 
 
-def test_schedule_matches_the_hand_formulas():
-    budget = dict(num_examples=3000, epsilon=1.0, delta=1e-5)
-    # (nε)² / (ln k · ln(1/δ)) = 9e6 / (3.4657 · 11.5129) = 225,559.6 at k = 32.
-    assert k_scaling.mirror_descent_steps(32, max_steps=10**7, **budget) == 225_560
-    assert k_scaling.mirror_descent_steps(32, max_steps=1000, **budget) == 1000
-    # (nε / (ln k · √ln(1/δ)))^(2/3) = 40.22 at k = 32, 25.40 at k = 1000, 117.6 at k = 2.
-    assert k_scaling.frank_wolfe_steps(32, max_steps=1000, **budget) == 41
-    assert k_scaling.frank_wolfe_steps(1000, max_steps=1000, **budget) == 26
-    assert k_scaling.frank_wolfe_steps(2, max_steps=1000, **budget) == 118
-    assert k_scaling.frank_wolfe_steps(2, max_steps=100, **budget) == 100
-    # √(2 ln 32 / 1000) / 20 = 0.0041628.
-    rate = k_scaling.mirror_descent_learning_rate(32, steps=1000, clip_norm=20.0, step_size=1.0)
-    assert rate == pytest.approx(0.004162773, rel=1e-6)
-
+def test_the_config_schedules_with_its_budget():
     config = configs.get_config("cpu")  # n = 3000, ε = 1, δ = 1e-5, max_steps = 1000
-    steps, rate = k_scaling.schedule(config, 32, "mirror_descent", 20.0)
+    steps, rate = config.schedule(32, "mirror_descent", 20.0)
+    # √(2 ln 32 / 1000) / 20 = 0.0041628 (`mixing.scaling.mirror_descent_learning_rate`).
     assert steps == 1000 and rate == pytest.approx(config.step_size * 0.004162773, rel=1e-6)
-    assert k_scaling.schedule(config, 1000, "frank_wolfe", 20.0) == (26, None)
+    assert config.schedule(1000, "frank_wolfe", 20.0) == (26, None)
 
 
 def _tiny_config(**overrides):
@@ -84,7 +73,7 @@ def test_tiny_trained_run_end_to_end(tmp_path, monkeypatch):
     rows = results["rows"]
     assert sorted((r["k"], r["task"]) for r in rows) == [(k, t) for k in (2, 4, 8) for t in (0, 1)]
     for row in rows:
-        steps, _ = k_scaling.schedule(config, row["k"], "frank_wolfe", row["clip_norm"])
+        steps, _ = config.schedule(row["k"], "frank_wolfe", row["clip_norm"])
         assert row["frank_wolfe_steps"] == steps and row["mirror_descent_steps"] == 20
         for solver in config.solvers:
             assert row[f"{solver}_epsilon"] <= config.epsilon + 1e-6

@@ -89,7 +89,7 @@ def test_paper_smoke_writes_the_table_on_mock_data(tmp_path):
     assert sorted((r["k"], r["task"]) for r in rows) == [(k, t) for k in (2, 4, 8) for t in (0, 1)]
     for row in rows:
         for solver in config.solvers:
-            steps, _ = k_scaling.schedule(config, row["k"], solver, row["clip_norm"])
+            steps, _ = config.schedule(row["k"], solver, row["clip_norm"])
             assert row[f"{solver}_steps"] == steps
             assert 0 < row[f"{solver}_epsilon"] <= config.epsilon + 1e-6
             # The reference is the exact optimum on the same split: nothing beats it.

@@ -35,3 +35,12 @@ def test_metric_inputs_are_validated():
         metrics.l1_distance(np.array([np.nan, 1.0]), np.ones(2))
     with pytest.raises(ValueError, match="sum to 1"):
         metrics.excess_loss(np.ones(2), np.array([0.5, 0.5]), np.full((3, 2), 0.5))
+
+
+def test_uniform_cosine_is_one_over_root_k_norm():
+    # cos(1/k, λ) = Σλ / (√k ‖λ‖) = 1 / (√k ‖λ‖) for a mixture λ.
+    assert metrics.uniform_cosine(np.full(5, 0.2)) == pytest.approx(1.0)
+    assert metrics.uniform_cosine(np.eye(4)[2]) == pytest.approx(0.5)
+    weights = np.array([0.5, 0.3, 0.2, 0.0])
+    expected = 1.0 / (2.0 * np.sqrt(0.25 + 0.09 + 0.04))
+    assert metrics.uniform_cosine(weights) == pytest.approx(expected)

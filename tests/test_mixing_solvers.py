@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dpmix_jax.mixing import metrics, objectives, solvers
+from dpmix_jax.mixing.synthetic import mixture_problem
 from dpmix_jax.privacy import accounting, gaussian_noise
-from experiments.k_scaling import mixture_problem
 
 PREDS = np.random.default_rng(3).uniform(0.05, 0.95, size=(400, 5))
 

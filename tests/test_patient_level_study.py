@@ -13,6 +13,7 @@ import pytest
 from dpmix_jax.pipeline import presets
 from dpmix_jax.train import TrainConfig
 from experiments import patient_level
+from experiments.configs.patient_level import PatientLevelConfig
 
 
 def test_synthetic_patients_partition_the_train_images():
@@ -31,7 +32,7 @@ def test_synthetic_patients_partition_the_train_images():
 
 
 def test_units_sample_the_same_rate():
-    config = patient_level.PatientLevelConfig(mean_images_per_patient=4.0)
+    config = PatientLevelConfig(mean_images_per_patient=4.0)
     units = config.unit_pipelines()
     assert units["image"] == config.pipeline
     patient = units["patient"]
@@ -39,7 +40,7 @@ def test_units_sample_the_same_rate():
     assert patient.mixture.batch_size == config.pipeline.mixture.batch_size / 4
     assert patient.finetune.batch_size == round(config.pipeline.finetune.batch_size / 4)
     with pytest.raises(ValueError, match="mean_images_per_patient must be >= 1"):
-        patient_level.PatientLevelConfig(mean_images_per_patient=0.5)
+        PatientLevelConfig(mean_images_per_patient=0.5)
 
 
 @pytest.mark.slow
@@ -54,7 +55,7 @@ def test_tiny_study_writes_both_units(tmp_path):
         mixture=dataclasses.replace(base.mixture, steps=5),
         finetune=dataclasses.replace(base.finetune, steps=3),
     )
-    config = patient_level.PatientLevelConfig(
+    config = PatientLevelConfig(
         pipeline=pipeline,
         epsilons=(1.0,),
         seeds=(0,),

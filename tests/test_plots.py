@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from experiments import audit, clip_study, k_scaling, per_task, rho_guide, small_eps
 from experiments.configs import k_scaling as k_configs
 from experiments.configs import rho_guide as rho_configs
+from experiments.configs.clip_study import ClipStudyConfig
 from experiments.plot_labels import display_name
 
 matplotlib.use("Agg")
@@ -267,7 +268,7 @@ def test_k_scaling_plot(figures, tmp_path):
 
 
 def test_clip_study_plot(figures, tmp_path):
-    config = clip_study.ClipStudyConfig(clip_norms=(0.1, 1.0, 10.0), seeds=(0, 1, 2))
+    config = ClipStudyConfig(clip_norms=(0.1, 1.0, 10.0), seeds=(0, 1, 2))
     curves = [
         {"setting": setting, "noise_multiplier": sigma, "shift": shift}
         | {"mean": [0.1, 0.01, 0.05], "std": [0.02, 0.002, 0.01]}

@@ -1,4 +1,4 @@
-"""The small-ε study: the uniform reference's cosine, the sweep grid and its seed rule, and a tiny
+"""The small-ε study: its summary, the sweep grid and its seed rule, and a tiny
 end-to-end run whose spent ε is checked against dp_accounting directly."""
 
 import dataclasses
@@ -26,15 +26,6 @@ def direct_pld_epsilon(noise_multiplier, sampling_rate, steps, delta):
         .self_compose(steps)
         .get_epsilon_for_delta(delta)
     )
-
-
-def test_uniform_cosine_is_one_over_root_k_norm():
-    # cos(1/k, λ) = Σλ / (√k ‖λ‖) = 1 / (√k ‖λ‖) for a mixture λ.
-    assert small_eps.uniform_cosine(np.full(5, 0.2)) == pytest.approx(1.0)
-    assert small_eps.uniform_cosine(np.eye(4)[2]) == pytest.approx(0.5)
-    weights = np.array([0.5, 0.3, 0.2, 0.0])
-    expected = 1.0 / (2.0 * np.sqrt(0.25 + 0.09 + 0.04))
-    assert small_eps.uniform_cosine(weights) == pytest.approx(expected)
 
 
 def test_summary_counts_runs_below_the_uniform_reference():

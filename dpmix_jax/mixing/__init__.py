@@ -3,8 +3,21 @@
 Imports `dpmix_jax.privacy` only (plus jax, numpy, optax); knows no model and no data set.
 """
 
-from dpmix_jax.mixing import metrics, objectives, sample_size, solvers, subspace
-from dpmix_jax.mixing.metrics import cosine_similarity, excess_loss, l1_distance
+from dpmix_jax.mixing import (
+    metrics,
+    objectives,
+    sample_size,
+    scaling,
+    solvers,
+    subspace,
+    synthetic,
+)
+from dpmix_jax.mixing.metrics import (
+    cosine_similarity,
+    excess_loss,
+    l1_distance,
+    uniform_cosine,
+)
 from dpmix_jax.mixing.objectives import (
     example_loss,
     mixmin_loss,
@@ -60,9 +73,12 @@ __all__ = [
     "run_frank_wolfe",
     "run_mirror_descent",
     "sample_size",
+    "scaling",
     "shifted_example_loss",
     "solvers",
     "subspace",
     "sufficient_mixture_size",
+    "synthetic",
     "top_subspace",
+    "uniform_cosine",
 ]

@@ -36,6 +36,12 @@ def cosine_similarity(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / norms)
 
 
+def uniform_cosine(reference: np.ndarray) -> float:
+    """cos(1/k, λ_ref): the uniform mixture's cosine to a mixture λ_ref of k sources."""
+    reference = np.asarray(reference, np.float64)
+    return cosine_similarity(np.full(len(reference), 1.0 / len(reference)), reference)
+
+
 def l1_distance(a: np.ndarray, b: np.ndarray) -> float:
     """Σ_i |a_i - b_i| (between 0 and 2 for two mixtures)."""
     a, b = _pair(a, b)

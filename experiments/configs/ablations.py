@@ -145,6 +145,13 @@ class AblationConfig:
         return rows
 
 
+PRESETS = {
+    "cpu": "the digit tasks (offline)",
+    "tiny": "a one-minute check of the wiring",
+    "paper": "NIH with CheXpert as public data",
+}
+
+
 def get_config(preset: str = "cpu") -> AblationConfig:
     """ "cpu" (digits, 3 seeds), "tiny" (a test run: 1 seed, 3 steps per stage) or "paper"
     (NIH Atelectasis with CheXpert)."""

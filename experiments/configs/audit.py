@@ -270,6 +270,12 @@ def _check_epsilons(epsilons: tuple[float, ...]) -> None:
         validation.check_epsilon(eps)
 
 
+PRESETS = {
+    "cpu": "a CPU-sized audit (experiments/configs/audit.py)",
+    "paper": "the paper's settings",
+}
+
+
 def get_config(preset: str = "cpu") -> AuditConfig:
     """The audit settings: "cpu" (4.5 minutes wall and 1.2 GB peak memory on 2 CPU cores shared
     with other jobs, docs/results/audit.json) or "paper" (the paper's protocol)."""

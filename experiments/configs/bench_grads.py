@@ -17,7 +17,13 @@ from __future__ import annotations
 import dataclasses
 
 MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
-PRESETS = ("micro", "cpu", "cpu_small", "pate", "gpu")
+PRESETS = {
+    "cpu": "tiny ResNet and GPT-2",
+    "micro": "seconds, for tests",
+    "cpu_small": "ResNet-18 and GPT-2 small on CPU",
+    "pate": "the Hot PATE samplers in four regimes",
+    "gpu": "ResNet-18 and GPT-2 small on an accelerator",
+}
 # Teacher logits of the Hot PATE benchmark (`experiments.bench_grads._pate_logits`).
 PATE_REGIMES = ("random", "peaked_diverse", "lm_like", "flat_shared")
 METHODS = (
@@ -170,4 +176,4 @@ def get_config(preset: str = "cpu") -> BenchConfig:
             steps_per_round=10,
             warmup_steps=3,
         )
-    raise ValueError(f"unknown preset {preset!r}; choose from {PRESETS}.")
+    raise ValueError(f"unknown preset {preset!r}; choose from {tuple(PRESETS)}.")

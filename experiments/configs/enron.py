@@ -60,8 +60,15 @@ import pathlib
 
 from dpmix_jax.models.gpt2 import GPT2Config
 from dpmix_jax.pipeline import MixtureConfig
-from dpmix_jax.pipeline.text import LanguageModelSpec, TextPipelineConfig
-from dpmix_jax.pipeline.text_presets import text_demo_config
+from dpmix_jax.pipeline.text import (
+    DomainTextTask,
+    LanguageModelSpec,
+    TextPipelineConfig,
+    from_document_files,
+    from_enron,
+    require_paths,
+)
+from dpmix_jax.pipeline.text_presets import text_demo_config, text_task
 from dpmix_jax.train import TrainConfig
 
 METHODS = ("dp_mixmin", "uniform", "random_init", "random_search", "nonprivate_mixmin")
@@ -131,6 +138,23 @@ class TextExperimentConfig:
             "downstream GPT-2 weights": self.pipeline.model.weights,
         }
         return {what: path for what, path in paths.items() if path is not None}
+
+    def task(self) -> DomainTextTask:
+        """The experiment's data: the embedded default, Enron, or OpenWebMath files, each input
+        path checked first (a missing one is a ValueError naming it)."""
+        require_paths(self.input_paths())
+        if self.data == "builtin":
+            return text_task(level=self.pipeline.level)
+        public = dict(
+            domains=self.public_domains,
+            max_public_documents=self.max_public_documents,
+            split_fractions=self.split_fractions,
+        )
+        if self.data == "enron":
+            return from_enron(self.enron_root, self.public_root, **public)
+        return from_document_files(
+            self.documents_path, self.public_root, max_documents=self.max_documents, **public
+        )
 
 
 def paper_pipeline(weights_root: str | pathlib.Path) -> TextPipelineConfig:

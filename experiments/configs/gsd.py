@@ -74,6 +74,13 @@ class GsdConfig:
             raise ValueError(f"gradient_models must be a subset of {GRADIENT_MODELS}.")
 
 
+PRESETS = {
+    "cpu": "the digits default",
+    "tiny": "a test run",
+    "paper": "NIH Atelectasis with CheXpert's 14 labels",
+}
+
+
 def get_config(preset: str = "cpu") -> GsdConfig:
     """ "cpu" (digits, 2 seeds), "tiny" (a test run: 1 seed, few steps) or "paper" (NIH
     Atelectasis with CheXpert, 2000 gradients per set as in Gu et al.)."""

@@ -59,8 +59,16 @@ __all__ = [
     "GuaranteeConfig",
     "HotPateConfig",
     "NaturalConfig",
+    "PRESETS",
     "get_config",
 ]
+
+PRESETS = {
+    "cpu": "n = 512 teachers on the embedded text (10 minutes and 4.2 GB on 2 CPU cores when it "
+    "trains its public model)",
+    "paper": "the paper's sizes",
+    "tiny": "seconds, for tests",
+}
 
 
 def _positive(name: str, value: float) -> None:

@@ -56,7 +56,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["AblationsConfig", "get_config"]
+__all__ = ["PRESETS", "AblationsConfig", "get_config"]
+
+PRESETS = {"cpu": "n = 512 teachers, V = 2000, r = 1000", "tiny": "a test run"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

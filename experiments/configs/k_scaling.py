@@ -32,11 +32,11 @@ Its excess losses measure nothing; it checks that every stage runs and writes k_
 (`tests/test_k_scaling_smoke.py` runs it on `tfds.testing.mock_data`).
 
 Synthetic proxies (`--proxies synthetic`): k sigmoid proxies on Gaussian inputs and labels drawn
-from an exact mixture of four of them (`experiments.k_scaling.mixture_problem`), n = 20,000: the
+from an exact mixture of four of them (`mixing.synthetic.mixture_problem`), n = 20,000: the
 only setting where the population optimum λ* is known exactly. Its cpu preset (k in {2, 8, 32,
 128, 256}, 3 seeds, b = 1000) is not among the stored runs.
 
-T and η follow the theory in both settings (`experiments.k_scaling.schedule`): mirror descent
+T and η follow the theory in both settings (`mixing.scaling.schedule`): mirror descent
 T_k = min(max_steps, ⌈(nε)² / (ln k · ln(1/δ))⌉) and η_k = step_size · √(2 ln k / T_k) / C_k;
 Frank-Wolfe T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
 """
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dpmix_jax.mixing import scaling
 from dpmix_jax.models.resnet import ResNetConfig
 from dpmix_jax.pipeline.image import ModelSpec
 from dpmix_jax.privacy import validation
@@ -52,6 +53,10 @@ from dpmix_jax.train import TrainConfig
 
 DATA = ("digits", "imagenet_cifar100")
 NUM_DIGIT_SUBSETS = 2**10 - 2
+PRESETS = {
+    "cpu": "k up to 1000 trained heads on MNIST-5k (or 256 synthetic sources)",
+    "paper": "ImageNet classes as sources for CIFAR-100 tasks through tfds, k up to 1000",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,7 +134,7 @@ class KScalingConfig:
         proxy_scale: synthetic: scale of the proxies' logits.
         epsilon, delta: the privacy target of every DP-MixMin run.
         batch_size: DP-MixMin's expected batch size b (q = b / n), fixed across k.
-        max_steps: the compute cap on T_k (see `experiments.k_scaling.schedule`).
+        max_steps: the compute cap on T_k (see `mixing.scaling.schedule`).
         step_size: a in the mirror-descent step η_k = a · √(2 ln k / T_k) / C_k.
         clip_quantile, clip_scale: C_k = clip_scale × the `clip_quantile` quantile of the
             (mean-shifted) per-example gradient norms at uniform weights on *public* stand-in
@@ -190,6 +195,20 @@ class KScalingConfig:
         if not set(self.solvers) <= {"mirror_descent", "frank_wolfe"} or not self.solvers:
             raise ValueError(f"unknown solvers {self.solvers!r}.")
 
+    def schedule(self, k: int, solver: str, clip_norm: float) -> tuple[int, float | None]:
+        """(T_k, η_k) of `solver` for k sources at clip norm C_k (`mixing.scaling.schedule`; η
+        is None for Frank-Wolfe's 2/(t + 2) steps)."""
+        return scaling.schedule(
+            k,
+            solver,
+            clip_norm=clip_norm,
+            num_examples=self.num_examples,
+            epsilon=self.epsilon,
+            delta=self.delta,
+            max_steps=self.max_steps,
+            step_size=self.step_size,
+        )
+
 
 PROXIES = ("trained", "synthetic")
 
@@ -232,7 +251,7 @@ def get_config(
     test (`smoke`)."""
     if proxies not in PROXIES:
         raise ValueError(f"proxies must be one of {PROXIES}, got {proxies!r}.")
-    if preset not in ("cpu", "paper"):
+    if preset not in PRESETS:
         raise ValueError(f"preset must be 'cpu' or 'paper', got {preset!r}.")
     if smoke_test and (preset, proxies) != ("paper", "trained"):
         raise ValueError(

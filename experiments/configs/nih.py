@@ -56,6 +56,12 @@ from dpmix_jax.models.resnet import ResNetConfig
 from dpmix_jax.pipeline import ImagePipelineConfig, MixtureConfig, ModelSpec, presets
 from dpmix_jax.train import TrainConfig
 
+PAPER_IMAGE_SIZE = 224  # the side of the paper's square X-ray images
+PRESETS = {
+    "cpu": "digit tasks standing in for the X-ray findings (offline)",
+    "paper": "the real data under --nih-root and --public-root",
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CxrExperimentConfig:
@@ -81,7 +87,7 @@ class CxrExperimentConfig:
         "nonprivate_mixmin",
     )
     tasks: tuple[str, ...] | int | None = None
-    image_size: int = 224
+    image_size: int = PAPER_IMAGE_SIZE
 
     def __post_init__(self) -> None:
         if self.public not in ("chexpert", "mimic", "digits"):

@@ -91,6 +91,13 @@ class PerTaskConfig:
             raise ValueError("findings must name at least two tasks (or None for all 14).")
 
 
+PRESETS = {
+    "cpu": "the multi-task digits default (offline)",
+    "paper": "the 14 NIH findings with CheXpert as public data",
+    "paper_mimic": "the 14 NIH findings with MIMIC-CXR as public data",
+}
+
+
 def get_config(preset: str = "cpu") -> PerTaskConfig:
     """`cpu`: the multi-task digits default; `paper` / `paper_mimic`: NIH with CheXpert /
     MIMIC-CXR."""

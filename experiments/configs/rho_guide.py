@@ -4,8 +4,8 @@
 Run:
     python -m experiments.rho_guide --preset cpu --out DIR
 
-Each (ε, n, seed) draws the synthetic problem of `experiments.k_scaling.mixture_problem` (k = 8
-sigmoid proxies, labels from an exact mixture λ*), runs DP-MixMin (mirror descent, C from public
+Each (ε, n, seed) draws the synthetic problem of `mixing.synthetic.mixture_problem` (k = 8 sigmoid
+proxies, labels from an exact mixture λ*), runs DP-MixMin (mirror descent, C from public
 gradient norms, η = step_size/C, T steps, batch min(b, n/2)) and non-private MixMin on the first n
 examples, and measures the *population* excess F(λ) - F(λ*) on 200,000 held-out examples of the
 same problem. Beside it: the bound B·sqrt(log k/n) + C·sqrt(log k·log(1/δ))/(nε) with B = 1
@@ -26,6 +26,12 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.privacy import validation
+
+PRESETS = {
+    "cpu": "k = 8, n from 250 to 64,000, ε in {0.1, 1}",
+    "tiny": "a test run",
+    "paper": "k = 14, n up to 256,000",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

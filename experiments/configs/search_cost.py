@@ -4,7 +4,7 @@ DP-MixMin's, as the number of sources k grows (the paper's Lemma 4.1 contrast).
 Run:
     python -m experiments.search_cost --out DIR --reproducible
 
-On the synthetic exact-mixture problem of `experiments.k_scaling.mixture_problem` (k sigmoid
+On the synthetic exact-mixture problem of `mixing.synthetic.mixture_problem` (k sigmoid
 proxies, labels from a mixture of four of them, n sensitive examples), for every k and seed:
 DP-MixMin at (ε, δ) (the k-scaling schedule for T_k, η_k and C_k) and a pool of Dirichlet(1)
 candidates, all scored by their excess MixMin loss over non-private MixMin. m*(k) is the
@@ -30,6 +30,7 @@ from dpmix_jax.privacy import validation
 from experiments.configs.k_scaling import KScalingConfig
 
 SOLVERS = ("mirror_descent", "frank_wolfe")
+PRESETS = {"cpu": "k in {2, ..., 64}, 5 seeds, n = 20,000", "tiny": "a seconds-long test run"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -45,6 +45,11 @@ from dpmix_jax.pipeline.text import TextPipelineConfig
 from dpmix_jax.privacy import validation
 from experiments.configs import enron, nih
 
+PRESETS = {
+    "cpu": "the embedded image and text defaults, with the sweep",
+    "paper": "NIH with CheXpert and Enron (real data, an accelerator)",
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SweepPoint:

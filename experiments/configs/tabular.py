@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.data.tabular import TabularTaskConfig
-from dpmix_jax.pipeline.common import MixtureConfig
+from dpmix_jax.pipeline.mixture_config import MixtureConfig
 from dpmix_jax.pipeline.tabular import RATIO_METHOD, DensityRatioConfig, TabularPipelineConfig
 from dpmix_jax.train import TrainConfig
 

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.data.builtin import BBC_TOPICS
-from dpmix_jax.pate.finetuned import TeacherTuning
-from dpmix_jax.pate.public import TextDefaultModel
-from dpmix_jax.pate.synthesize import TEACHER_KINDS
 from dpmix_jax.privacy import validation
+from dpmix_jax.synthesis import PEER_METHODS, TEACHER_KINDS
+from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
+from dpmix_jax.synthesis.public_models import TextDefaultModel
 
-PRIVATE_METHODS = ("hot_pate", "independent_pate", "invisibleink", "amin", "pmixed")
+# The experiment's names of Hot PATE's samplers (`synthesis.METHODS` names), then every peer.
+HOT_PATE_METHODS = {"hot_pate": "coordinated", "independent_pate": "independent"}
+PRIVATE_METHODS = (*HOT_PATE_METHODS, *PEER_METHODS)
 REFERENCES = ("public", "nonprivate")
 
 
