@@ -9,11 +9,11 @@ import sys
 import jax
 import numpy as np
 import pytest
-from simulated_devices import xla_flags
 
 from dpmix_jax import parallel
 from dpmix_jax.privacy import randomness
 from dpmix_jax.train import TrainConfig
+from tests.simulated_devices import xla_flags
 
 
 def test_mesh_config_and_sharding_rule():

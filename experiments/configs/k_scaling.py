@@ -29,7 +29,7 @@ like the paper's, slope over k >= 4), one seed, two tasks, n = 8 sensitive image
 holdout images, b = 4 and one proxy step of batch 2:
     python -m experiments.k_scaling --preset paper --smoke --out DIR
 Its excess losses measure nothing; it checks that every stage runs and writes k_scaling.md
-(`tests/test_k_scaling_smoke.py` runs it on `tfds.testing.mock_data`).
+(`tests/experiments/test_k_scaling_smoke.py` runs it on `tfds.testing.mock_data`).
 
 Synthetic proxies (`--proxies synthetic`): k sigmoid proxies on Gaussian inputs and labels drawn
 from an exact mixture of four of them (`mixing.synthetic.mixture_problem`), n = 20,000: the

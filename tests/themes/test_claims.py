@@ -1,0 +1,332 @@
+"""The claims this project makes from the DP-MixMin and Hot PATE papers, each checked here.
+
+Result claims are checked on the stored results under `docs/results/` (the files every table in
+README.md and docs/ is rebuilt from), and, where a run fits in the suite, on a small fresh run: a
+rerun that stops showing a claim, or a commit that no longer reproduces its stored numbers, fails.
+"""
+
+import collections
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dpmix_jax.pate import diversity, metrics, samplers
+
+RESULTS = pathlib.Path(__file__).parents[2] / "docs" / "results"
+
+
+def stored(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def mean_by_method_and_epsilon(results: dict, field=lambda run: run["utility"]) -> dict:
+    values = collections.defaultdict(list)
+    for run in results["runs"]:
+        values[(run["method"], run["epsilon"])].append(field(run))
+    return {key: float(np.mean(v)) for key, v in values.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# DP-MixMin: the demo comparisons (image: test AUC; text, user level: test perplexity)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("demo", ["demo-image", "demo-text"])
+def test_dp_mixmin_beats_uniform_beats_random_init_at_every_epsilon(demo):
+    results = stored(demo)
+    sign = 1 if results["higher_is_better"] else -1
+    means = mean_by_method_and_epsilon(results)
+    epsilons = sorted({eps for _, eps in means})
+    assert len(epsilons) >= 3
+    for eps in epsilons:
+        dp_mixmin, uniform = means[("dp_mixmin", eps)], means[("uniform", eps)]
+        random_init = means[("random_init", eps)]
+        assert sign * (dp_mixmin - uniform) > 0, (eps, dp_mixmin, uniform)
+        assert sign * (uniform - random_init) > 0, (eps, uniform, random_init)
+
+
+@pytest.mark.parametrize("demo", ["demo-image", "demo-text"])
+def test_dp_mixmin_weights_are_closer_to_the_true_mixture_than_uniform_weights(demo):
+    results = stored(demo)
+    runs = [r for r in results["runs"] if r["method"] in ("dp_mixmin", "uniform")]
+    cosine = mean_by_method_and_epsilon(
+        {"runs": runs}, lambda run: run["weight_quality"]["cosine_true"]
+    )
+    for eps in {eps for _, eps in cosine}:
+        assert cosine[("dp_mixmin", eps)] > cosine[("uniform", eps)], eps
+
+
+@pytest.mark.parametrize("demo", ["demo-image", "demo-text"])
+def test_every_stored_private_run_spent_at_most_its_budget(demo):
+    for run in stored(demo)["runs"]:
+        if run["private"]:
+            assert run["spent_epsilon"] <= run["epsilon"] * (1 + 1e-9), run
+            assert run["spent_delta"] <= run["delta"], run
+
+
+@pytest.mark.slow
+def test_the_stored_image_demo_is_reproduced_bit_for_bit(tmp_path):
+    """A small grid of the stored image demo, rerun from an empty folder at this commit with the
+    stored run's settings, gives the stored numbers exactly (its noise was seeded)."""
+    from dpmix_jax.pipeline.image import ImagePipeline
+    from dpmix_jax.pipeline.presets import digit_task, image_demo_config
+
+    results = stored("demo-image")
+    assert results["noise_seeded"]
+    expected = {(r["method"], r["epsilon"], r["seed"]): r for r in results["runs"]}
+    pipeline = ImagePipeline(digit_task(), image_demo_config(), tmp_path, reproducible=True)
+    for method in ("random_init", "dp_mixmin"):
+        run = pipeline.run(method, 1.0, seed=0)
+        want = expected[(method, 1.0, 0)]
+        assert run.utility == want["utility"], method
+        assert run.spent.epsilon == want["spent_epsilon"], method
+        if want["weights"] is not None:
+            np.testing.assert_array_equal(run.weights, want["weights"])
+
+
+def test_a_larger_mixture_split_helps_dp_mixmin_as_in_the_papers_rho_sweep():
+    """Table 1's ρ row: DP-MixMin's perplexity and its spread over seeds fall as ρ grows (paper:
+    17.97 ± 2.72, 17.52 ± 1.55, 16.78 ± 0.55 at ρ = 0.1, 0.2, 0.3); here it beats Uniform from
+    ρ = 0.2 on (at ρ = 0.1, about 12 users, one seed of three mixes worse than Uniform)."""
+    results = stored("enron_rho")
+    rhos = [f"{rho:g}" for rho in results["mix_fractions"]]
+    means, spreads = [], []
+    for rho in rhos:
+        runs = results["per_rho"][rho]["runs"]
+        mixmin = [r["utility"] for r in runs if r["method"] == "dp_mixmin"]
+        uniform = [r["utility"] for r in runs if r["method"] == "uniform"]
+        means.append(np.mean(mixmin))
+        spreads.append(np.std(mixmin, ddof=1))
+        if float(rho) >= 0.2:
+            assert np.mean(mixmin) < np.mean(uniform)
+    assert means == sorted(means, reverse=True)
+    assert spreads == sorted(spreads, reverse=True)
+
+
+def test_nih_presets_on_cpu_keep_the_papers_order_at_every_epsilon():
+    """Tables 7 and 8's order on the NIH experiments' code (digits stand-in): DP-MixMin above
+    Uniform above Random Search above Random Init at every ε, below the non-private MixMin
+    bound at ε <= 2 (paper, CheXpert at ε = 1: 0.707, 0.670, 0.667, 0.636; bound 0.712)."""
+    from experiments.configs import nih
+
+    assert nih.get_config("chexpert", "cpu") == nih.get_config("mimic", "cpu")  # one run is both
+    results = stored("nih_cpu")
+    auc = {(row["method"], row["epsilon"]): row["macro_auc"] for row in results["macro"].values()}
+    epsilons = sorted({eps for _, eps in auc})
+    assert epsilons == [1.0, 2.0, 5.0] and results["tasks"] and results["seeds"] == 2
+    for eps in epsilons:
+        order = [auc[(m, eps)] for m in ("dp_mixmin", "uniform", "random_search", "random_init")]
+        assert order == sorted(order, reverse=True), eps
+        if eps <= 2:
+            assert auc[("dp_mixmin", eps)] < auc[("nonprivate_mixmin", eps)]
+
+
+def test_openwebmath_preset_on_cpu_beats_uniform_at_every_epsilon():
+    """Table 2's claim on the OpenWebMath experiment's code (embedded text, example level):
+    DP-MixMin's perplexity below Uniform's at every ε (paper at ε = 1: 12.22 against 14.05)
+    and above the non-private MixMin bound, with λ close to non-private MixMin's."""
+    results = stored("openwebmath")
+    (rho,) = results["per_rho"]
+    runs = results["per_rho"][rho]
+    perplexity = mean_by_method_and_epsilon(runs)
+    cosine = mean_by_method_and_epsilon(runs, lambda run: run["weight_quality"]["cosine_reference"])
+    for eps in (1.0, 2.0, 5.0):
+        bound, mixmin = perplexity[("nonprivate_mixmin", eps)], perplexity[("dp_mixmin", eps)]
+        assert bound < mixmin < 0.95 * perplexity[("uniform", eps)]
+        assert cosine[("dp_mixmin", eps)] > 0.9
+
+
+def test_per_task_gains_are_largest_for_dp_mixmin_as_in_the_paper():
+    # The paper (Figure 3): DP-MixMin's mean relative gain over Random Init is about twice
+    # Uniform's and Random Search's. Ours must rank DP-MixMin first, at a ratio within a band
+    # around the paper's 1.8-2.4 (our weaker Random Init makes every gain larger).
+    results = stored("per_task")
+    gain = results["macro"]["gain"]
+    assert gain["dp_mixmin"] > max(gain["uniform"], gain["random_search"]) > 0
+    assert 1.2 <= results["macro"]["gain_ratio"]["uniform"] <= 3.5
+    assert results["macro"]["vs_uniform"]["absolute"] > 0
+    auc = [{m: t["methods"][m]["auc"]["mean"] for m in t["methods"]} for t in results["tasks"]]
+    wins = sum(task["dp_mixmin"] > task["uniform"] for task in auc)
+    assert wins >= 0.75 * len(auc)
+    # The rare-label task: DP-MixMin's λ is closer to non-private MixMin's than uniform weights.
+    cosine = results["rare_task"]["cosine_to_nonprivate"]
+    assert cosine["dp_mixmin"]["mean"] > cosine["uniform"]["mean"]
+
+
+def test_small_epsilon_weights_degrade_gracefully_as_in_the_paper():
+    # The paper (Tables 11, 14, 15): at ε = 1 DP-MixMin's λ is far closer to non-private
+    # MixMin's λ than uniform weights; at ε = 0.2 it degrades, and where D_mix holds few units
+    # (Enron, user level) it can fall below the uniform reference. Ours: above uniform in every
+    # run at ε = 1 on both defaults, above it on average at ε = 0.2 on the image default (366
+    # examples in D_mix), and lower at ε = 0.2 than at ε = 1 on both.
+    defaults = stored("small_eps")["defaults"]
+    for name, part in defaults.items():
+        by_epsilon = {row["epsilon"]: row for row in part["summary"]}
+        strong, weak = by_epsilon[1.0], by_epsilon[0.2]
+        assert strong["cosine_mean"] > strong["uniform_mean"] and strong["below_uniform"] == 0
+        assert weak["cosine_mean"] < strong["cosine_mean"], name
+        for row in (strong, weak):
+            assert row["max_spent_epsilon"] <= row["epsilon"] * (1 + 1e-9), name
+    image = {row["epsilon"]: row for row in defaults["image"]["summary"]}[0.2]
+    assert image["cosine_mean"] > image["uniform_mean"]
+
+
+def test_gsd_cannot_tell_shared_input_sources_apart_and_dp_mixmin_beats_the_oracle_source():
+    # The paper (appendix A.4): GSD scores sources by their inputs, so sources that share the
+    # inputs and differ in labels look alike to it (far closer to each other than a source with
+    # other inputs), and even the oracle choice of a single source stays below DP-MixMin.
+    results = stored("gsd")
+    spread = results["distance_spread"]["random_init"]
+    assert spread["relative_spread"] < 0.1 and spread["max"] < 0.75 * spread["control"]
+    assert results["methods"]["dp_mixmin"]["mean"] > results["oracle_single_source"]["mean"]
+    assert results["methods"]["dp_mixmin"]["mean"] > results["gsd_selected"]["random_init"]["mean"]
+
+
+def test_the_k_scaling_slope_is_near_the_papers():
+    # The paper (Appendix A.6): DP-MixMin's excess loss grows with the number of sources k with a
+    # log-log slope of 0.49 (theory 0.5). Ours, mirror descent on trained proxies over k >= 32,
+    # must stay within 0.15 of it; every run spent at most its ε.
+    results = stored("k_scaling")
+    assert abs(results["slopes"]["mirror_descent"] - 0.49) <= 0.15
+    assert results["max_epsilon"] <= results["config"]["epsilon"] * (1 + 1e-9)
+
+
+AUDIT_PRIVATE_BOUNDS = (
+    "many_runs",
+    "one_run_steinke",
+    "one_run_fdp",
+    "natural",
+    "max_clip",
+    "gradient",
+    "input",
+    "mix",
+    "ft",
+    "epsilon_lb",
+)
+
+
+def _audit_records(results: dict):
+    yield from results["mixmin"]
+    yield from results["dpsgd"]
+    for value in results["releases"].values():
+        yield from value if isinstance(value, list) else [value]
+
+
+def test_every_audit_bound_is_below_its_claim_and_every_control_above():
+    results = stored("audit")
+    assert results["violations"] == 0
+    checked = controls = 0
+    for record in _audit_records(results):
+        claim = record["claimed_epsilon"]
+        for key, value in record.items():
+            if key in AUDIT_PRIVATE_BOUNDS and value is not None:
+                assert value <= claim, (record.get("release"), key, value, claim)
+                checked += 1
+            elif key.startswith("no_noise_") and isinstance(value, float):
+                assert value > claim, (record.get("release"), key, value, claim)
+                controls += 1
+    assert checked >= 20 and controls >= 20
+
+
+def test_the_white_box_audit_certifies_at_least_half_of_the_claimed_epsilon():
+    tightness = stored("audit")["releases"]["tightness"]
+    assert {row["release"] for row in tightness} == {"DP-SGD", "DP-MixMin λ"}
+    for row in tightness:
+        assert 0.5 <= row["epsilon_lb"] / row["claimed_epsilon"] <= 1.0, row
+
+
+# ------------------------------------------------------------------------------------------
+# Hot PATE: diversity transfer of coordinated sampling (fresh runs)
+# ------------------------------------------------------------------------------------------
+
+TEACHERS = 32
+
+
+def output_estimate(probs, sampler, aggregator, draws=20_000, seed=0):
+    return diversity.output_distribution(
+        jax.random.key(seed), probs, sampler=sampler, aggregator=aggregator, num_draws=draws
+    )
+
+
+@pytest.mark.parametrize(("tau", "gamma"), [(4, 4.0), (16, 1.0)])
+def test_coordinated_tws_never_falls_below_the_theorem_beta(tau, gamma):
+    # The main theorem: coordinated histograms + TWS_{τ/2,γ} are (τ, 0.17, γ)-diversity
+    # preserving. On every adversarial ensemble the lower confidence bound (4 standard errors) of
+    # the attained β must be >= 0.17, and the relevance bound P_j <= γ·avg_j must hold.
+    for ensemble in diversity.adversarial_ensembles(TEACHERS, tau):
+        est = output_estimate(
+            ensemble.probs, "coordinated", diversity.tws_aggregator(tau / 2, gamma)
+        )
+        got = diversity.attained(ensemble.probs, est, tau)
+        assert got.beta is not None, ensemble.name
+        assert got.beta_lower >= diversity.THEOREM_BETA_TWS, (ensemble.name, got)
+        assert got.gamma_lower <= gamma, (ensemble.name, got)
+
+
+def test_independent_sampling_falls_far_below_the_theorem_beta():
+    # Power: the same measurement on cold PATE finds the failures the theorem rules out for
+    # coordinated sampling (low-probability tokens shared by many teachers, wide uniforms).
+    tau = 16
+    by_name = {e.name: e for e in diversity.adversarial_ensembles(TEACHERS, tau)}
+    for name in ("minority_low_q", "wide_uniform"):
+        probs = by_name[name].probs
+        est = output_estimate(probs, "independent", diversity.tws_aggregator(tau / 2, 1.0))
+        assert diversity.attained(probs, est, tau).beta_lower is not None
+        assert diversity.attained(probs, est, tau, z=-4.0).beta_lower < 0.05, name
+
+
+@pytest.mark.parametrize("plausible_tokens", [2, 3, 4, 8])
+def test_coordinated_coverage_is_above_independent_at_half_n(plausible_tokens):
+    # Diverse teachers: k equally plausible shared tokens plus small per-teacher variations. At
+    # the threshold n/2 coordinated sampling keeps transferring every plausible token (coverage
+    # above 0.8); independent sampling splits the votes, so its coverage falls to about 0.6 at
+    # k = 2 and to nothing from k = 3 on.
+    n, vocab = 64, 200
+    key_private, key = jax.random.split(jax.random.key(0))
+    shared = jnp.full((vocab,), -jnp.inf).at[:plausible_tokens].set(0.0)
+    logits = shared + 0.3 * jax.random.normal(key_private, (n, vocab))
+    threshold = jnp.array([n / 2])
+    hot = samplers.coordinated_histograms(key, logits, 300)
+    cold = samplers.independent_histograms(key, logits, 300)
+    hot_coverage = float(metrics.coverage(hot, threshold)[0])
+    cold_coverage = float(metrics.coverage(cold, threshold)[0])
+    assert hot_coverage > 0.8 and hot_coverage > cold_coverage + 0.25
+    assert int(metrics.transferred_support(hot, threshold)[0]) == plausible_tokens
+    if plausible_tokens >= 3:
+        assert cold_coverage < 0.05
+        assert int(metrics.transferred_support(cold, threshold)[0]) <= 1
+
+
+@pytest.mark.parametrize("name", ["enron_rho", "openwebmath"])
+def test_stored_rho_pages_are_their_json_through_the_current_writer(name):
+    """The ρ table and the per-ρ tables of a stored text run are `experiments.enron`'s writer
+    applied to its JSON (one spread convention, the population std, in both)."""
+    from dpmix_jax.pipeline import compare
+    from experiments import enron
+
+    results = stored(name)
+    tables = [
+        compare.markdown_table(results["per_rho"][f"{r:g}"]) for r in results["mix_fractions"]
+    ]
+    page = enron.rho_markdown(results) + "\n\n" + "\n".join(tables)
+    assert page == (RESULTS / f"{name}.md").read_text()
+
+
+def test_fine_tuned_teachers_write_closer_to_real_text_than_in_context_ones():
+    """Fine-tuned teachers' average (ε = ∞) is closer to the real sentences (MAUVE) than the
+    in-context teachers' on every seed; through Hot PATE at ε = 10 the two stay within noise."""
+    fine_tuned, in_context = stored("text_peers_fine_tuned"), stored("text_peers")
+    assert fine_tuned["config"]["teachers"] == "fine_tuned"
+    assert fine_tuned["config"]["seeds"] == in_context["config"]["seeds"]
+
+    def mauve(results, method, epsilon=None):
+        rows = results["rows"]
+        return [r["mauve"] for r in rows if (r["method"], r["target_epsilon"]) == (method, epsilon)]
+
+    assert min(mauve(fine_tuned, "nonprivate")) > max(mauve(in_context, "nonprivate"))
+    tuned, read = mauve(fine_tuned, "hot_pate", 10.0), mauve(in_context, "hot_pate", 10.0)
+    assert abs(np.mean(tuned) - np.mean(read)) < np.std(tuned) + np.std(read)
