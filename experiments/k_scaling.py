@@ -8,11 +8,13 @@ use its first k heads. Synthetic proxies (`--proxies synthetic`,
 `mixing.synthetic.mixture_problem`): k sigmoid proxies on Gaussian inputs with labels from an
 exact mixture of a few of them.
 
-For every k, seed and task, DP-MixMin (mirror descent and Frank-Wolfe, T_k and η_k from
-`mixing.scaling.schedule`, C_k from public data) is compared with non-private MixMin on the same
-split, and rerun with σ = 0 to split the excess into optimisation + clipping bias and noise; the
-log-log slope of the mean excess over k >= `slope_min_k` is fitted (theory for DP-SCO: 0.5; the
-paper measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and `k_scaling.png`.
+For every k, seed and task, DP-MixMin (mirror descent, Frank-Wolfe with the Gaussian oracle and
+Frank-Wolfe with the exponential-mechanism oracle; T_k and η_k from `mixing.scaling.schedule`, C_k
+from public data) is compared with non-private MixMin on the same split, and rerun without noise
+(σ = 0, or ε_0 = ∞ for the exponential oracle) to split the excess into optimisation + clipping
+bias and noise; the log-log slope of the mean excess over k >= `slope_min_k` is fitted (theory for
+DP-SCO: 0.5; the paper measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and
+`k_scaling.png`.
 
     python -m experiments.k_scaling --preset cpu --out DIR
     python -m experiments.k_scaling --preset paper --smoke --out DIR
@@ -21,7 +23,9 @@ paper measures 0.49). Writes `k_scaling.json`, `k_scaling.md` and `k_scaling.png
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import pathlib
 import time
 from collections.abc import Iterator
@@ -35,6 +39,7 @@ import numpy as np  # noqa: E402
 from dpmix_jax import mixing  # noqa: E402
 from dpmix_jax.data import builtin  # noqa: E402
 from dpmix_jax.data.sources import ArraySource, Source, SubsetSource, random_split  # noqa: E402
+from dpmix_jax.mixing import exponential_oracle  # noqa: E402
 from dpmix_jax.mixing.scaling import gradient_norms, loglog_slope, public_clip_norm  # noqa: E402
 from dpmix_jax.mixing.synthetic import mixture_problem  # noqa: E402
 from dpmix_jax.pipeline.compare import provenance  # noqa: E402
@@ -325,20 +330,80 @@ def trained_instances(
 # --------------------------------------------------------------------------------------------
 
 
+def noise_levels(config: configs.KScalingConfig) -> dict[str, dict[int, float]]:
+    """Per solver of `config`, T_k -> its noise at (ε, δ): σ for mirror descent and the Gaussian
+    Frank-Wolfe oracle (DP-SGD's calibration at q = b / n), ε_0 per selection for the
+    exponential oracle (`exponential_oracle.calibrate_step_epsilon`). Each depends on T_k only:
+    the rate and the target are the same for every run."""
+    q = min(1.0, config.batch_size / config.num_examples)
+    levels = {}
+    for solver in config.solvers:
+        steps = sorted({config.schedule(k, solver, 1.0)[0] for k in config.ks})
+        if solver == configs.EXPONENTIAL_FRANK_WOLFE:
+            calibrate = exponential_oracle.calibrate_step_epsilon
+        else:
+            calibrate = functools.partial(accounting.calibrate_noise_multiplier, sampling_rate=q)
+        levels[solver] = {
+            t: calibrate(target_epsilon=config.epsilon, delta=config.delta, steps=t) for t in steps
+        }
+    return levels
+
+
+def private_run(
+    config: configs.KScalingConfig,
+    solver: str,
+    preds: np.ndarray,
+    *,
+    steps: int,
+    learning_rate: float | None,
+    clip_norm: float,
+    noise: float,
+    seed: int,
+) -> tuple[np.ndarray, float]:
+    """The released λ and the accountant's ε of one DP-MixMin run of `solver`; `noise` is σ
+    (0: none) or, for the exponential oracle, ε_0 (∞: none).
+
+    Privacy: (ε, δ)-DP on `preds`' examples for the calibrated noise; no guarantee without it.
+    """
+    if solver == configs.EXPONENTIAL_FRANK_WOLFE:
+        result = mixing.dp_exponential_frank_wolfe(
+            preds,
+            step_epsilon=noise,
+            delta=config.delta,
+            steps=steps,
+            clip_norm=clip_norm,
+            seed=seed,
+        )
+    else:
+        result = mixing.dp_mixmin(
+            preds,
+            noise_multiplier=noise,
+            delta=config.delta,
+            steps=steps,
+            batch_size=config.batch_size,
+            clip_norm=clip_norm,
+            learning_rate=learning_rate,
+            seed=seed,
+            solver=solver,
+        )
+    return result.weights, result.epsilon
+
+
 def run_instance(
     config: configs.KScalingConfig,
     k: int,
     seed: int,
     clip_norm: float,
     instance: Instance,
-    noise_multiplier: dict[int, float],
+    noise: dict[str, dict[int, float]],
     *,
     reproducible: bool,
 ) -> dict:
-    """Runs both solvers (with σ and with σ = 0) on one instance; returns its row.
+    """Runs every solver (with its calibrated noise and without noise) on one instance; returns
+    its row. `noise` is `noise_levels(config)`.
 
-    Privacy: the σ > 0 runs are DP-MixMin at (ε, δ) on the instance's sensitive split; the
-    reference, the σ = 0 twins and the diagnostics are not private (study measurements only).
+    Privacy: the noisy runs are DP-MixMin at (ε, δ) on the instance's sensitive split; the
+    reference, the noiseless twins and the diagnostics are not private (study measurements only).
     """
     preds = instance.preds
     reference = np.asarray(
@@ -347,7 +412,7 @@ def run_instance(
         )
     )
     uniform = np.full(k, 1.0 / k)
-    # One stream per (k, seed, task), shared by the σ > 0 run and its σ = 0 twin.
+    # One stream per (k, seed, task), shared by the noisy run and its noiseless twin.
     noise_seed = seed * 1000 + instance.task if reproducible else randomness.secret_seed()
     row = {
         "k": k,
@@ -363,23 +428,23 @@ def run_instance(
         steps, learning_rate = config.schedule(k, solver, clip_norm)
         row[f"{solver}_steps"] = steps
         row[f"{solver}_learning_rate"] = learning_rate
+        no_noise = math.inf if solver == configs.EXPONENTIAL_FRANK_WOLFE else 0.0
         excess = {}
-        for part, sigma in (("excess", noise_multiplier[steps]), ("bias", 0.0)):
-            result = mixing.dp_mixmin(
+        for part, level in (("excess", noise[solver][steps]), ("bias", no_noise)):
+            weights, epsilon = private_run(
+                config,
+                solver,
                 preds,
-                noise_multiplier=sigma,
-                delta=config.delta,
                 steps=steps,
-                batch_size=config.batch_size,
-                clip_norm=clip_norm,
                 learning_rate=learning_rate,
+                clip_norm=clip_norm,
+                noise=level,
                 seed=noise_seed,
-                solver=solver,
             )
-            excess[part] = mixing.excess_loss(result.weights, reference, preds)
+            excess[part] = mixing.excess_loss(weights, reference, preds)
             if part == "excess":
-                row[f"{solver}_epsilon"] = result.epsilon
-                row[f"{solver}_cosine"] = mixing.cosine_similarity(result.weights, reference)
+                row[f"{solver}_epsilon"] = epsilon
+                row[f"{solver}_cosine"] = mixing.cosine_similarity(weights, reference)
         row[f"{solver}_excess"] = excess["excess"]
         row[f"{solver}_bias"] = excess["bias"]
         row[f"{solver}_noise"] = excess["excess"] - excess["bias"]
@@ -391,25 +456,21 @@ def main(
 ) -> dict:
     """Runs the study; returns (and, with `out`, writes) the results.
 
-    Each DP run is repeated with σ = 0 (same C, η, T, b, batches): that run's excess is the
-    optimisation + clipping bias, and the rest of the DP run's excess is the noise part. The
-    seeds make the data (and, for trained proxies, the public split and proxy); the DP runs'
-    noise and sampling are secret unless `reproducible`.
+    Each DP run is repeated without noise (σ = 0 or ε_0 = ∞; same C, η, T, b, batches): that
+    run's excess is the optimisation + clipping bias, and the rest of the DP run's excess is the
+    noise part. The seeds make the data (and, for trained proxies, the public split and proxy);
+    the DP runs' noise and sampling are secret unless `reproducible`.
     """
     if config.trained is not None and config.trained.data == "imagenet_cifar100":
         _require_tfds(config.trained.tfds_data_dir)  # fail before any work
-    q = min(1.0, config.batch_size / config.num_examples)
-    all_steps = sorted({config.schedule(k, s, 1.0)[0] for k in config.ks for s in config.solvers})
-    # σ depends on T_k only: the rate and the target are the same for every run.
-    noise_multiplier = {
-        steps: accounting.calibrate_noise_multiplier(
-            target_epsilon=config.epsilon, delta=config.delta, sampling_rate=q, steps=steps
-        )
-        for steps in all_steps
-    }
+    noise = noise_levels(config)
     print(
-        f"ε = {config.epsilon}, δ = {config.delta}, q = {q:.3g}; σ by T: "
-        + ", ".join(f"{t}: {s:.3f}" for t, s in noise_multiplier.items())
+        f"ε = {config.epsilon}, δ = {config.delta}, b = {config.batch_size}; "
+        + "; ".join(
+            f"{solver} {'ε_0' if solver == configs.EXPONENTIAL_FRANK_WOLFE else 'σ'} by T: "
+            + ", ".join(f"{t}: {level:.3g}" for t, level in levels.items())
+            for solver, levels in noise.items()
+        )
     )
     cache_dir = None if out is None else out / "proxies"
     rows = []
@@ -429,7 +490,7 @@ def main(
                         seed,
                         clip_norm,
                         instance,
-                        noise_multiplier,
+                        noise,
                         reproducible=reproducible,
                     )
                 )
@@ -449,7 +510,9 @@ def main(
     results = {
         "config": dataclasses.asdict(config),
         "proxies": "synthetic" if config.trained is None else "trained",
-        "noise_multipliers": {str(t): s for t, s in noise_multiplier.items()},
+        "noise": {
+            solver: {str(t): v for t, v in levels.items()} for solver, levels in noise.items()
+        },
         "noise_seeded": reproducible,
         "seconds": time.time() - start,
         "provenance": provenance(),
@@ -549,7 +612,7 @@ def markdown(config: configs.KScalingConfig, summary: dict) -> str:
             f"| {k} | {summary['clip_norms']['mean'][i]:.1f} | {steps} | "
             f"{summary['clipped_at_optimum']['mean'][i]:.1%} | " + " | ".join(cells) + " |"
         )
-    heads = [f"{s} {p}" for s in config.solvers for p in ("bias (σ = 0)", "noise")]
+    heads = [f"{s} {p}" for s in config.solvers for p in ("bias (no noise)", "noise")]
     lines += ["", "| k | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
     for i, k in enumerate(summary["ks"]):
         cells = [
@@ -573,10 +636,17 @@ def markdown(config: configs.KScalingConfig, summary: dict) -> str:
         f" δ = {config.delta}, b = {config.batch_size}; C_k = {config.clip_scale} ×"
         f" q{config.clip_quantile:g} of public gradient norms at uniform λ (quarter-octave grid);"
         f" mirror descent T_k = min({config.max_steps}, ⌈(nε)²/(ln k ln(1/δ))⌉),"
-        f" η_k = {config.step_size} √(2 ln k / T_k)/C_k; Frank-Wolfe"
+        f" η_k = {config.step_size} √(2 ln k / T_k)/C_k; Frank-Wolfe (either oracle)"
         f" T_k = min({config.max_steps}, ⌈(nε/(ln k √ln(1/δ)))^(2/3)⌉); bias = excess of the"
-        " same run with σ = 0, noise = the rest."
+        " same run without noise (σ = 0, or ε_0 = ∞), noise = the rest."
     )
+    if configs.EXPONENTIAL_FRANK_WOLFE in config.solvers:
+        lines.append(
+            f"{configs.EXPONENTIAL_FRANK_WOLFE}: the exponential mechanism picks each step's"
+            " vertex from the clipped gradient sum over all n examples (no sampling); ε_0 per"
+            " selection is calibrated so that the T_k selections, ε_0²/8-zCDP each, compose to"
+            " ε (RDP accountant; the other solvers: PLD)."
+        )
     lines.append(SEEDED_NOTE if summary.get("noise_seeded") else "DP noise and sampling secret.")
     return "\n".join(lines)
 
@@ -598,7 +668,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
         part_slopes = results["part_slopes"][solver]
         curves = {
             f"total (fitted slope {results['slopes'][solver]:.2f})": results["excess"][solver],
-            f"bias, σ = 0 (fitted slope {part_slopes['bias']:.2f})": results["parts"][solver][
+            f"bias, no noise (fitted slope {part_slopes['bias']:.2f})": results["parts"][solver][
                 "bias"
             ],
             f"noise part (fitted slope {part_slopes['noise']:.2f})": results["parts"][solver][
@@ -652,7 +722,7 @@ def _options(parser) -> None:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="with --preset paper: its data, ResNet-50 proxy, image size, heads and both solvers,"
+        help="with --preset paper: its data, ResNet-50 proxy, image size, heads and all solvers,"
         " but k in {2, 4, 8}, one seed, two tasks, n = 8 and one proxy step of batch 2 (a test"
         " that the paper path runs; its excess losses mean nothing)",
     )

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dpmix_jax.pipeline.compare import METHOD_NAMES
 
-SOLVER_NAMES = {"mirror_descent": "mirror descent", "frank_wolfe": "Frank-Wolfe"}
+SOLVER_NAMES = {
+    "mirror_descent": "mirror descent",
+    "frank_wolfe": "Frank-Wolfe",
+    "frank_wolfe_exponential": "Frank-Wolfe, exponential oracle",
+}
 SHIFT_NAMES = {"none": "no shift", "mean": "mean shift", "weighted": "weighted shift"}
 
 

@@ -389,14 +389,14 @@ def main(
 
 def _featurizer(model: public_models.PublicTextModel):
     """MAUVE's features from the public model, each set of texts featurized once."""
-    gpt2_features = quality.gpt2_features(
+    last_token_features = quality.last_token_features(
         model.model, model.tokenizer, max_tokens=model.context_length
     )
     known: dict[tuple[str, ...], np.ndarray] = {}
 
     def featurize(texts):
         if tuple(texts) not in known:
-            known[tuple(texts)] = gpt2_features(texts)
+            known[tuple(texts)] = last_token_features(texts)
         return known[tuple(texts)]
 
     return featurize

@@ -1,9 +1,10 @@
 """How `dpmix` and the experiments end on bad input or Ctrl-C: one line on stderr, no traceback.
 
 Bad input (a `ValueError` from the library, an unreadable file, ...) prints `PROG: error: ...`
-and exits 2; Ctrl-C prints how to resume and exits 130. The library's structured refusals of a
-setting (δ >= 1/n, a batch too large for its units) are reworded in the command's own options
-(`in_command_line_terms`). Only the standard library is imported at module level.
+and exits 2; Ctrl-C prints how to resume (or, for a command that keeps nothing to resume from,
+what an interrupt means there: `interrupted_says`) and exits 130. The library's structured
+refusals of a setting (δ >= 1/n, a batch too large for its units) are reworded in the command's
+own options (`in_command_line_terms`). Only the standard library is imported at module level.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ DEBUG_ENV = "DPMIX_DEBUG"
 INTERRUPTED = (
     "interrupted; to resume, rerun the same command (same --out): its stored stages are read "
     "back and their privacy ledger is kept"
+)
+
+# `dpmix generate` writes its outputs only when the run ends, and keeps no stage to resume from.
+GENERATE_INTERRUPTED = (
+    "interrupted before any output was written: nothing of this run was released, and nothing "
+    "is kept to resume from; a rerun starts over with fresh noise (the same noise with the same "
+    "--seed) and spends its ε anew"
 )
 
 INTERRUPTED_STATUS = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
@@ -41,25 +49,46 @@ def one_line_errors(prog: str) -> Iterator[None]:
     """Ends bad input and Ctrl-C inside the block with one line on stderr, without a traceback.
 
     Bad input (`_input_errors`) prints `PROG: error: ...` and exits with status 2; Ctrl-C prints
-    `PROG: interrupted; ...` (how to resume) and exits with status 130. A Ctrl-C that lands in a
-    callback Python cannot raise from stops the run at its next step or stage
-    (`interrupt.stop_on_interrupt`). Set the environment variable DPMIX_DEBUG=1 to see the
-    traceback instead.
+    `PROG: interrupted; ...` (how to resume, or the command's own message: `interrupted_says`)
+    and exits with status 130. A Ctrl-C that lands in a callback Python cannot raise from stops
+    the run at its next step or stage (`interrupt.stop_on_interrupt`). Set the environment
+    variable DPMIX_DEBUG=1 to see the traceback instead.
     """
     debug = os.environ.get(DEBUG_ENV, "0") != "0"
     try:
         with interrupt.stop_on_interrupt():
             yield
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if debug:
             raise
-        print(f"{prog}: {INTERRUPTED}", file=sys.stderr)
+        message = err.message if isinstance(err, _Interrupted) else INTERRUPTED
+        print(f"{prog}: {message}", file=sys.stderr)
         raise SystemExit(INTERRUPTED_STATUS) from None
     except _input_errors() as err:
         if debug:
             raise
         print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+class _Interrupted(KeyboardInterrupt):
+    """Ctrl-C in a command that says itself what an interrupt means (`interrupted_says`)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@contextlib.contextmanager
+def interrupted_says(message: str) -> Iterator[None]:
+    """Ctrl-C in the block ends the command with `message` instead of `INTERRUPTED` (how to
+    resume), for a command that keeps nothing to resume from."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        if isinstance(err, _Interrupted):
+            raise
+        raise _Interrupted(message) from None
 
 
 def _one_line(err: BaseException) -> str:

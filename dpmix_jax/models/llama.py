@@ -456,11 +456,13 @@ class Llama(nnx.Module):
         distance = query_positions[:, :, None] - key_positions[:, None, :]
         return distance < self.config.sliding_window
 
-    def _logits(self, hidden: jax.Array) -> jax.Array:
-        hidden = self.norm(hidden)
+    def _head(self, states: jax.Array) -> jax.Array:
         if self.config.tie_word_embeddings:
-            return self.embed_tokens.attend(hidden).astype(jnp.float32)
-        return self.lm_head(hidden).astype(jnp.float32)
+            return self.embed_tokens.attend(states).astype(jnp.float32)
+        return self.lm_head(states).astype(jnp.float32)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        return self._head(self.norm(hidden))
 
     def __call__(
         self,
@@ -481,6 +483,18 @@ class Llama(nnx.Module):
         Returns:
           Float32 logits ``(batch, seq, vocab_size)``.
         """
+        states = self.final_states(input_ids, attention_mask=attention_mask, positions=positions)
+        return self._head(states)
+
+    def final_states(
+        self,
+        input_ids: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        """The final RMSNorm's output for every position, ``(batch, seq, hidden_size)``: the
+        states the output head reads (arguments as for ``__call__``)."""
         self._check_ids(input_ids, attention_mask)
         length = input_ids.shape[1]
         if length > self.config.max_position_embeddings:
@@ -498,7 +512,7 @@ class Llama(nnx.Module):
         hidden = self.embed_tokens(input_ids)
         for layer in self.layers:
             hidden, _ = layer(hidden, rotary, mask)
-        return self._logits(hidden)
+        return self.norm(hidden)
 
     def init_cache(self, batch_size: int, capacity: int) -> KVCache:
         """An empty cache for ``batch_size`` rows and up to ``capacity`` tokens in total."""

@@ -27,6 +27,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from scipy import special
 
 __all__ = [
     "FAIL",
@@ -38,6 +40,7 @@ __all__ = [
     "targmax",
     "tws",
     "tws_probabilities",
+    "unanimous_release_probability",
 ]
 
 FAIL = -1
@@ -238,3 +241,41 @@ def dpws(
     noisy = counts + noise
     kept = jnp.where((counts > 0) & (noisy >= keep_at), noisy, 0.0)
     return _weighted_sample(key_sample, kept, jnp.sum(counts) / gamma)
+
+
+def unanimous_release_probability(
+    aggregator: str,
+    *,
+    num_teachers: int,
+    num_buckets: int,
+    threshold: float,
+    sigma1: float = 1.0,
+    sigma2: float = 1.0,
+    epsilon: float = 1.0,
+) -> float | None:
+    """The probability that a token on which all n teachers agree is released, against the
+    other `num_buckets` - 1 counts at zero: the check passes and the token wins the noisy
+    argmax. Near 1/`num_buckets` the released tokens carry hardly any of the teachers' vote.
+
+    Confident-GNMax: Φ((n − T)/σ1) · ∫ φ(z) Φ(n/σ2 + z)^(B−1) dz. DPARGMAX (Laplace of scale
+    b = 2/ε): ∫ f(x) F(n + x)^(B−1) 1[n + x >= T] dx. Both integrals by quadrature on a grid of
+    20,001 points over ±12 scales (error below 1e-6). None for DPWS, whose release does not
+    compete with zero-vote tokens (they are never considered).
+
+    Privacy:
+        A function of public settings only.
+    """
+    competitors = num_buckets - 1
+    if aggregator == "confident_gnmax":
+        z = np.linspace(-12.0, 12.0, 20_001)
+        density = np.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+        wins = np.trapezoid(density * special.ndtr(num_teachers / sigma2 + z) ** competitors, z)
+        return float(special.ndtr((num_teachers - threshold) / sigma1) * wins)
+    if aggregator == "dpargmax_laplace":
+        scale = 2.0 / epsilon
+        x = np.linspace(-12.0 * scale, 12.0 * scale, 20_001)
+        density = np.exp(-np.abs(x) / scale) / (2 * scale)
+        y = num_teachers + x
+        cdf = np.where(y < 0, 0.5 * np.exp(y / scale), 1 - 0.5 * np.exp(-y / scale))
+        return float(np.trapezoid(density * cdf**competitors * (y >= threshold), x))
+    return None

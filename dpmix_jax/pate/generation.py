@@ -33,6 +33,8 @@ __all__ = [
     "generate",
     "make_step",
     "prepare_sampler",
+    "public_candidates",
+    "restrict_votes",
 ]
 
 
@@ -74,6 +76,12 @@ class GenerationConfig:
         max_new_tokens: length limit.
         eos_id: end-of-sequence token (None: none).
         stop_sequences: decoding stops once the output ends with one of these token sequences.
+        public_candidates: c: aggregate only the votes for the public model's c most likely
+            next tokens, the other votes in one bucket whose release is a FAIL (None: the whole
+            vocabulary). The candidates depend on the public model and the released prefix
+            only; `generate` then needs the public model.
+        public_fallback: a failed step takes the public model's token (when `generate` is
+            given one); else decoding stops there.
         report_delta: the δ at which the run's ε is reported; with the per-call δ of every call
             the run may make it must stay below 1/n for the n teachers (each holds at least one
             sensitive unit), unless `allow_large_delta`; checked before any teacher is read.
@@ -105,6 +113,8 @@ class GenerationConfig:
     max_new_tokens: int = 32
     eos_id: int | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+    public_candidates: int | None = None
+    public_fallback: bool = True
     report_delta: float = 1e-5
     allow_large_delta: bool = False
     release_order: float | None = None
@@ -159,6 +169,8 @@ class GenerationConfig:
             discrete_noise.check_sigma2(self.sigma2**2, "sigma2**2")
         elif self.noise == "discrete":
             accounting.discrete_laplace_scale(self.epsilon)  # 2/ε must be an int64 fraction
+        if self.public_candidates is not None:
+            validation.check_steps(self.public_candidates, "public_candidates")
         if any(len(s) == 0 for s in self.stop_sequences):
             raise ValueError("stop_sequences must not contain an empty sequence.")
 
@@ -224,13 +236,15 @@ class GenerationResult:
 
 
 @functools.lru_cache(maxsize=32)
-def make_step(config: GenerationConfig) -> Callable[[jax.Array, samplers.Draw], tuple]:
-    """`(key, draw) -> (token or FAIL, histogram (V,))` for one query, where
+def make_step(config: GenerationConfig) -> Callable[..., tuple]:
+    """`(key, draw, candidates=None) -> (token or FAIL, histogram)` for one query, where
     `draw = prepare_sampler(config, logits)` is set up once per decoding step and shared by
-    its retries (jitted parts).
+    its retries (jitted parts). With `candidates` (`(c,)` token ids) the aggregator reads
+    `restrict_votes(histogram, candidates)` and a release of its last bucket is a FAIL.
 
     Privacy:
-        The histogram it returns is sensitive (used only for the data-dependent analysis).
+        The histogram it returns (what the aggregator read) is sensitive: used only for the
+        data-dependent analysis.
     """
     if config.aggregator == "dpws":
         aggregate = functools.partial(
@@ -254,16 +268,55 @@ def make_step(config: GenerationConfig) -> Callable[[jax.Array, samplers.Draw], 
 
     aggregate = jax.jit(aggregate)
 
-    def step(key, draw):
+    def step(key, draw, candidates=None):
         key_hist, key_agg = jax.random.split(key)
         histogram = draw(key_hist, 1)[0]
+        if candidates is not None:
+            histogram = restrict_votes(histogram, candidates)
         if config.noise == "discrete":
             key_agg, key_noise = jax.random.split(key_agg)
             noise = _discrete_noise(config, key_noise, histogram.shape[0])
-            return aggregate(key_agg, histogram, noise=noise), histogram
-        return aggregate(key_agg, histogram), histogram
+            token = aggregate(key_agg, histogram, noise=noise)
+        else:
+            token = aggregate(key_agg, histogram)
+        if candidates is not None:
+            token = _candidate_token(token, candidates)
+        return token, histogram
 
     return step
+
+
+@jax.jit
+def restrict_votes(histogram: jax.Array, candidates: jax.Array) -> jax.Array:
+    """`(c + 1,)`: the votes for each of the `(c,)` distinct candidate ids, then every other
+    vote in one bucket (the counts still sum to n).
+
+    Under the vote-move relation (one teacher's vote moves from one token to another) the
+    restricted histogram also changes in at most two counts, by one each: every aggregator's
+    analysis holds unchanged.
+
+    Privacy:
+        Reads the (sensitive) histogram; the result goes only to a DP aggregator.
+    """
+    chosen = histogram[candidates]
+    return jnp.concatenate([chosen, (jnp.sum(histogram) - jnp.sum(chosen))[None]])
+
+
+@jax.jit
+def _candidate_token(index: jax.Array, candidates: jax.Array) -> jax.Array:
+    """The token id of an aggregator's output over `restrict_votes`' buckets; the others'
+    bucket, like a FAIL, is a FAIL (post-processing)."""
+    inside = (index >= 0) & (index < candidates.shape[0])
+    return jnp.where(inside, candidates[jnp.clip(index, 0)], aggregators.FAIL).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames="count")
+def public_candidates(public_logits: jax.Array, count: int) -> jax.Array:
+    """The `count` ids of the largest public logits (ties to the smallest id).
+
+    Privacy: reads only the public model's output.
+    """
+    return jax.lax.top_k(public_logits.astype(jnp.float32), count)[1].astype(jnp.int32)
 
 
 def _discrete_noise(config: GenerationConfig, key: jax.Array, size: int):
@@ -314,7 +367,9 @@ def generate(
         key: PRNG key of the sampler and the aggregator noise; None (default) draws a secret one
             from the operating system for every call. A key from a known seed makes the output
             reproducible and not private against anyone who knows the seed. Never log it.
-        public_model: optional public fallback for failed steps (free).
+        public_model: the public model (free: it never reads sensitive data): the fallback of
+            failed steps when `config.public_fallback`, and the source of the candidates with
+            `config.public_candidates` (required then).
         ledger: a ledger to append to (e.g. across several sequences); a new one by default.
 
     Returns:
@@ -326,6 +381,15 @@ def generate(
     """
     if not isinstance(teachers, Teachers):
         raise ValueError("teachers must implement the Teachers protocol.")
+    if config.public_candidates is not None:
+        if public_model is None:
+            raise ValueError("public_candidates needs a public_model to draw them from.")
+        if not config.public_candidates < teachers.vocab_size:
+            raise ValueError(
+                f"public_candidates must be below the vocabulary's {teachers.vocab_size} "
+                f"tokens, got {config.public_candidates}."
+            )
+    fallback = public_model if config.public_fallback else None
     ledger = accounting.PateLedger() if ledger is None else ledger
     seeded = key is not None
     key = key if seeded else randomness.prng_key(randomness.secret_seed())
@@ -346,11 +410,15 @@ def generate(
     num_queries = num_failed = 0
     stop_reason = "max_new_tokens"
     while len(tokens) < config.max_new_tokens:
+        public_logits = candidates = None
+        if config.public_candidates is not None:
+            public_logits = jnp.asarray(public_model(prefix + tokens), jnp.float32)
+            candidates = public_candidates(public_logits, config.public_candidates)
         draw = prepare_sampler(config, teachers(prefix + tokens))  # shared by the retries
         token = aggregators.FAIL
         for _ in range(config.max_retries + 1):
             key, sub = jax.random.split(key)
-            token, histogram = step(sub, draw)
+            token, histogram = step(sub, draw, candidates)
             token = int(token)
             ledger.record(event, delta=call_delta)
             num_queries += 1
@@ -362,9 +430,10 @@ def generate(
                 break
         if token != aggregators.FAIL:
             sources.append("private")
-        elif public_model is not None:
+        elif fallback is not None:
             key, sub = jax.random.split(key)
-            public_logits = jnp.asarray(public_model(prefix + tokens), jnp.float32)
+            if public_logits is None:
+                public_logits = jnp.asarray(fallback(prefix + tokens), jnp.float32)
             token = int(jax.random.categorical(sub, public_logits / config.temperature))
             sources.append("public")
         else:

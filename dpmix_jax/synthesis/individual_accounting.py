@@ -202,6 +202,7 @@ def synthesize_individual(
     max_new_tokens: int,
     temperature: float,
     stop_at_newline: bool,
+    allow_large_delta: bool = False,
 ) -> SynthesisResult:
     """`synthesize` with individual (per-unit) accounting on a one-teacher-per-unit ensemble.
 
@@ -218,13 +219,19 @@ def synthesize_individual(
         for n teachers. With M = num_samples · max_new_tokens the filter never binds and the
         guarantee is that of charging every teacher at every step. The realised charges are
         sensitive: the result holds none of them (nor their max or mean); the counts of
-        private and public tokens are those of the released marked texts.
+        private and public tokens are those of the released marked texts. n is the number of
+        units: only the result's `owner_report` holds it.
     """
     low, high = privacy.CALIBRATION_EPSILON_RANGE
     if not low <= epsilon <= high:
         raise ValueError(f"epsilon must be in [{low:g}, {high:g}], got {epsilon!r}")
     n = ensemble.teachers.num_teachers
-    validation.check_delta_for_units(delta, n, unit=f"teachers (one per {ensemble.unit[:-1]})")
+    validation.check_delta_for_units(
+        delta,
+        n,
+        unit=f"teachers (one per {ensemble.unit[:-1]})",
+        allow_large_delta=allow_large_delta,
+    )
     tokenizer = model.tokenizer
     vocab = int(model.model.config.vocab_size)
     config = _individual_config(
@@ -276,5 +283,6 @@ def synthesize_individual(
         num_queries=len(sources),
         teacher_forward_passes=ensemble.teachers.calls * n,
         mechanism=mechanism,
+        allow_large_delta=allow_large_delta,
         seeded=seeded,
     )

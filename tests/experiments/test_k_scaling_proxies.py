@@ -2,12 +2,17 @@
 run."""
 
 import dataclasses
+import functools
 import json
+import math
 
 import numpy as np
 import pytest
 
+from dpmix_jax import mixing
+from dpmix_jax.mixing import exponential_oracle
 from dpmix_jax.pipeline.image import ModelSpec
+from dpmix_jax.privacy import accounting
 from dpmix_jax.train import TrainConfig
 from experiments import k_scaling
 from experiments.configs import k_scaling as configs
@@ -38,6 +43,48 @@ def test_the_config_schedules_with_its_budget():
     # √(2 ln 32 / 1000) / 20 = 0.0041628 (`mixing.scaling.mirror_descent_learning_rate`).
     assert steps == 1000 and rate == pytest.approx(config.step_size * 0.004162773, rel=1e-6)
     assert config.schedule(1000, "frank_wolfe", 20.0) == (26, None)
+    # Both Frank-Wolfe oracles run the same T_k (Talwar, Thakurta and Zhang's schedule).
+    assert config.schedule(1000, "frank_wolfe_exponential", 20.0) == (26, None)
+    assert config.solvers == configs.SOLVERS
+
+
+def test_noise_levels_are_calibrated_per_solver_and_step_count():
+    config = _tiny_config()
+    levels = k_scaling.noise_levels(config)
+    assert set(levels) == set(config.solvers)
+    for solver, by_steps in levels.items():
+        assert set(by_steps) == {config.schedule(k, solver, 1.0)[0] for k in config.ks}
+    # σ of DP-SGD at q = b / n for the Gaussian solvers; ε_0 per selection for the exponential.
+    q = config.batch_size / config.num_examples
+    for steps, sigma in levels["frank_wolfe"].items():
+        event = accounting.dpsgd_event(noise_multiplier=sigma, sampling_rate=q, steps=steps)
+        assert accounting.epsilon(event, delta=config.delta) <= config.epsilon
+    for steps, step_epsilon in levels["frank_wolfe_exponential"].items():
+        event = exponential_oracle.exponential_frank_wolfe_event(step_epsilon, steps)
+        spent = accounting.epsilon(event, delta=config.delta, accountant="rdp")
+        assert config.epsilon * (1 - 1e-3) <= spent <= config.epsilon
+
+
+def test_the_exponential_oracle_runs_as_a_study_solver():
+    preds = np.random.default_rng(0).uniform(0.05, 0.95, size=(300, 4))
+    config = _tiny_config()
+    run = functools.partial(
+        k_scaling.private_run,
+        config,
+        "frank_wolfe_exponential",
+        preds,
+        steps=10,
+        learning_rate=None,
+        clip_norm=2.0,
+        seed=0,
+    )
+    weights, epsilon = run(noise=0.3)
+    assert weights.shape == (4,) and 0 < epsilon < math.inf
+    direct = mixing.dp_exponential_frank_wolfe(
+        preds, step_epsilon=0.3, delta=config.delta, steps=10, clip_norm=2.0, seed=0
+    )
+    np.testing.assert_array_equal(weights, direct.weights)
+    assert run(noise=math.inf)[1] == math.inf  # the noiseless twin
 
 
 def _tiny_config(**overrides):
@@ -75,6 +122,7 @@ def test_tiny_trained_run_end_to_end(tmp_path, monkeypatch):
     for row in rows:
         steps, _ = config.schedule(row["k"], "frank_wolfe", row["clip_norm"])
         assert row["frank_wolfe_steps"] == steps and row["mirror_descent_steps"] == 20
+        assert row["frank_wolfe_exponential_steps"] == steps
         for solver in config.solvers:
             assert row[f"{solver}_epsilon"] <= config.epsilon + 1e-6
             # The reference is the exact optimum on the same split: nothing beats it.
@@ -82,8 +130,10 @@ def test_tiny_trained_run_end_to_end(tmp_path, monkeypatch):
         assert row["uniform_excess"] >= -1e-4
     written = json.loads((tmp_path / "k_scaling.json").read_text())
     assert written["proxies"] == "trained" and set(written["slopes"]) == set(config.solvers)
+    assert written["noise"] == json.loads(json.dumps(k_scaling.noise_levels(config)))
     table = (tmp_path / "k_scaling.md").read_text()
-    assert "0.49" in table and "frank_wolfe" in table and (tmp_path / "k_scaling.png").exists()
+    assert "0.49" in table and "frank_wolfe_exponential excess" in table
+    assert "ε_0²/8-zCDP" in table and (tmp_path / "k_scaling.png").exists()
 
     # The proxy is cached per seed: the same settings reuse it without training...
     cached = k_scaling.proxy_outputs(config, 0, tmp_path / "proxies")

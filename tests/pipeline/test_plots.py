@@ -212,7 +212,11 @@ def test_rho_guide_plot(figures, tmp_path):
 
 def k_scaling_results() -> dict:
     config = dataclasses.replace(
-        k_configs.get_config("cpu", "synthetic"), ks=(2, 8, 32, 128), seeds=(0, 1), slope_min_k=8
+        k_configs.get_config("cpu", "synthetic"),
+        ks=(2, 8, 32, 128),
+        seeds=(0, 1),
+        slope_min_k=8,
+        solvers=("mirror_descent", "frank_wolfe"),
     )
     rows = [
         {

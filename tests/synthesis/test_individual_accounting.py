@@ -70,8 +70,9 @@ def test_individual_run_gives_the_m_guarantee_and_releases_no_charges(model):
     assert result.tokens_generated == result.steps_with_output + result.steps_without_output
     assert result.num_queries == result.tokens_generated
     assert result.teacher_forward_passes == UNITS * result.num_queries
-    report = result.report()
-    json.dumps(report)
+    report = result.public_report()
+    assert "num_teachers" not in report and "teacher_forward_passes" not in report
+    assert result.owner_report()["num_teachers"] == UNITS
     flat = json.dumps(report)
     assert "max_charge" not in flat and "mean_charge" not in flat
     assert [k for k in m if "charge" in k] == ["charges_per_teacher"]
@@ -202,7 +203,9 @@ def test_dpmix_generate_with_individual_accounting(model_folder, tmp_path, capsy
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["accounting"] == "individual"
     assert report["settings"]["charges_per_teacher"] is None
-    assert report["method"] == "individual" and report["num_teachers"] == 4
+    assert report["method"] == "individual" and "num_teachers" not in report
+    owner = json.loads((out / "owner_only_report.json").read_text())
+    assert owner["num_teachers"] == 4  # one teacher per unit: n is the number of units
     assert report["mechanism"]["charges_per_teacher"] == 2  # ceil(2 · 3 / 4)
     assert 0 < report["epsilon"] == report["planned_epsilon"] <= 3.0
     assert "max_charge" not in json.dumps(report)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
+from dpmix_jax.models.llama import Llama, LlamaConfig
 from dpmix_jax.synthesis import quality
 
 SPORT = [
@@ -171,9 +172,9 @@ def test_mauve_rejects_too_few_texts_bad_buckets_and_bad_features(samples):
         )
 
 
-def test_gpt2_features_are_the_last_token_state_the_model_reads_its_logits_from(tiny_gpt2):
+def test_last_token_features_are_the_last_token_state_the_model_reads_its_logits_from(tiny_gpt2):
     model, tokenizer = tiny_gpt2
-    featurize = quality.gpt2_features(model, tokenizer, max_tokens=64, batch_size=4)
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=64, batch_size=4)
     text = "the coach and the team kick the ball"
     ids = tokenizer.encode(text)
     features = featurize([text])
@@ -181,9 +182,9 @@ def test_gpt2_features_are_the_last_token_state_the_model_reads_its_logits_from(
     np.testing.assert_allclose(model.wte.attend(features[0]), logits, atol=1e-4, rtol=1e-4)
 
 
-def test_gpt2_features_do_not_depend_on_padding_or_batch_neighbours(tiny_gpt2):
+def test_last_token_features_do_not_depend_on_padding_or_batch_neighbours(tiny_gpt2):
     model, tokenizer = tiny_gpt2
-    featurize = quality.gpt2_features(model, tokenizer, max_tokens=64, batch_size=2)
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=64, batch_size=2)
     short = "the goal"
     longer = ["the coach and the team kick the ball", "salt pepper onion garlic simmer boil"]
     alone = featurize([short])[0]
@@ -193,9 +194,24 @@ def test_gpt2_features_do_not_depend_on_padding_or_batch_neighbours(tiny_gpt2):
     assert not np.allclose(batch[0], batch[2], atol=1e-3)
 
 
-def test_gpt2_features_keep_the_first_max_tokens_tokens(tiny_gpt2):
+def test_llama_features_are_the_state_its_head_reads_and_ignore_padding(samples, tiny_gpt2):
+    _, tokenizer = tiny_gpt2
+    config = LlamaConfig.tiny(vocab_size=512, max_position_embeddings=64, tie_word_embeddings=True)
+    model = Llama(config, rngs=nnx.Rngs(1))
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=64, batch_size=2)
+    texts = ["the goal", "the coach and the team kick the ball", "salt pepper onion"]
+    features = featurize(texts)
+    assert features.shape == (3, config.hidden_size)
+    for text, feature in zip(texts, features, strict=True):
+        logits = model(jnp.asarray([tokenizer.encode(text)]))[0, -1]
+        head = model.embed_tokens.attend(jnp.asarray(feature))
+        np.testing.assert_allclose(head, logits, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(featurize([text])[0], feature, atol=1e-5)
+
+
+def test_last_token_features_keep_the_first_max_tokens_tokens(tiny_gpt2):
     model, tokenizer = tiny_gpt2
-    featurize = quality.gpt2_features(model, tokenizer, max_tokens=20)
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=20)
     text = " ".join(SPORT * 3)
     ids = tokenizer.encode(text)
     assert len(ids) > 20
@@ -203,9 +219,9 @@ def test_gpt2_features_keep_the_first_max_tokens_tokens(tiny_gpt2):
     np.testing.assert_allclose(model.wte.attend(featurize([text])[0]), logits, atol=1e-4, rtol=1e-4)
 
 
-def test_gpt2_features_compile_once_per_length_bucket(tiny_gpt2, caplog):
+def test_last_token_features_compile_once_per_length_bucket(tiny_gpt2, caplog):
     model, tokenizer = tiny_gpt2
-    featurize = quality.gpt2_features(model, tokenizer, max_tokens=64, batch_size=8)
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=64, batch_size=8)
     words = " ".join(SPORT * 5).split()
     texts = [" ".join(words[:k]) for k in range(1, 40, 3)]
     lengths = {len(ids) for ids in tokenizer.encode_batch(texts)}
@@ -222,18 +238,18 @@ def test_gpt2_features_compile_once_per_length_bucket(tiny_gpt2, caplog):
     assert compiles([" ".join(words[:k]) for k in range(2, 40, 5)]) == 0
 
 
-def test_gpt2_features_reject_empty_texts_and_bad_settings(tiny_gpt2):
+def test_last_token_features_reject_empty_texts_and_bad_settings(tiny_gpt2):
     model, tokenizer = tiny_gpt2
     with pytest.raises(ValueError, match=r"max_tokens must be an int in \[1, n_positions = 64\]"):
-        quality.gpt2_features(model, tokenizer, max_tokens=65)
-    featurize = quality.gpt2_features(model, tokenizer, max_tokens=16)
+        quality.last_token_features(model, tokenizer, max_tokens=65)
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=16)
     with pytest.raises(ValueError, match="text 1 has no tokens"):
         featurize(["the goal", ""])
 
 
 def test_mauve_on_tiny_gpt2_features_separates_topics(samples, tiny_gpt2):
     model, tokenizer = tiny_gpt2
-    featurize = quality.gpt2_features(model, tokenizer, max_tokens=64)
+    featurize = quality.last_token_features(model, tokenizer, max_tokens=64)
 
     def score(p, q):
         return quality.mauve_score(p, q, featurize=featurize, seed=0).mauve

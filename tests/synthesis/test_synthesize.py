@@ -156,7 +156,7 @@ def test_a_key_makes_the_run_reproducible(model):
     first, second = _run(model), _run(model)
     assert first.texts == second.texts and first.epsilon == second.epsilon
     assert first.released_epsilons == second.released_epsilons
-    assert first.seeded and first.report()["randomness"].startswith("noise seeded")
+    assert first.seeded and first.public_report()["randomness"].startswith("noise seeded")
     secret = _run(model, key=None, num_samples=1)
     assert not secret.seeded
 
@@ -300,10 +300,12 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
     assert len(samples) == 2
     assert all(s["text"].startswith("Meeting") and s["stop_reason"] for s in samples)
     report = json.loads((out / "report.json").read_text())
-    assert report["settings"]["epsilon"] == 3.0 and report["settings"]["seed"] == 0
+    assert report["settings"]["epsilon"] == 3.0 and "seed" not in report["settings"]
     assert 0 < report["epsilon"] <= report["planned_epsilon"] <= 3.0
-    assert report["num_units"] == len(TEXTS) and report["unit"] == "documents"
+    assert "num_units" not in report and report["unit"] == "documents"
     assert report["randomness"].startswith("noise seeded")
+    owner = json.loads((out / "owner_only_report.json").read_text())
+    assert owner["num_units"] == len(TEXTS) and owner["seed"] == 0
     assert f"ε = {report['epsilon']:.3g}" in capsys.readouterr().out
 
 
@@ -314,7 +316,7 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
         (["--epsilon", "-2"], "argument --epsilon must be a finite number > 0"),
         (["--num-samples", "0"], "argument --num-samples"),
         (["--epsilon", "500"], "argument --epsilon must be in [0.01, 100]"),
-        (["--delta", "0.6"], "argument --delta = 0.6 >= 1/n"),
+        (["--delta", "0.6"], "argument --delta: delta = 0.6 >= 1/n"),
         (["--model", "{tmp}"], "holds no model: config.json"),
         (["--documents", "{tmp}"], "holds no documents"),
         (["--num-teachers", ""], "argument --num-teachers: required with --documents"),

@@ -110,7 +110,8 @@ class AminConfig:
         svt_noise: σ: the threshold gets Laplace(σ) noise and the distance Laplace(2σ); None
             exactly when `threshold` is None.
         delta: the δ at which a run's ε is reported; below 1/n (each teacher holds at least one
-            sensitive unit).
+            sensitive unit) unless `allow_large_delta`.
+        allow_large_delta: accept δ >= 1/n.
     """
 
     num_teachers: int
@@ -122,6 +123,7 @@ class AminConfig:
     threshold: float | None = 0.5
     svt_noise: float | None = 0.2
     delta: float = 1e-6
+    allow_large_delta: bool = False
 
     def __post_init__(self):
         validation.check_steps(self.num_teachers, "num_teachers")
@@ -144,6 +146,7 @@ class AminConfig:
             self.delta,
             self.num_teachers,
             unit="teachers (each holds at least one sensitive unit)",
+            allow_large_delta=self.allow_large_delta,
         )
 
     @property
@@ -230,6 +233,7 @@ def calibrate(
     threshold: float | None = 0.5,
     svt_noise: float | None = 0.2,
     relative_tolerance: float = 1e-4,
+    allow_large_delta: bool = False,
 ) -> AminConfig:
     """The largest clip bound c whose worst-case run costs at most (`epsilon`, `delta`).
 
@@ -243,6 +247,7 @@ def calibrate(
         max_private_tokens: r (None: `max_new_tokens`).
         temperature, public_temperature, threshold, svt_noise: as in `AminConfig`.
         relative_tolerance: c is within this relative distance of the largest feasible one.
+        allow_large_delta: as in `AminConfig`.
 
     Raises:
         ValueError: invalid settings, or a sparse-vector test that alone exceeds the target.
@@ -261,6 +266,7 @@ def calibrate(
             threshold=threshold,
             svt_noise=svt_noise,
             delta=delta,
+            allow_large_delta=allow_large_delta,
         )
 
     probe = config_with(1.0)
@@ -516,6 +522,7 @@ class AminMethod:
             num_teachers=run.num_teachers,
             temperature=run.temperature,
             svt_noise=svt_noise,
+            allow_large_delta=run.allow_large_delta,
         )
         return peer_method.plan(self.name, run, config, epsilon, worst_case_charges(config))
 

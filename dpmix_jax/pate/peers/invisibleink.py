@@ -371,6 +371,7 @@ class InvisibleInkMethod:
             max_new_tokens=run.worst_case_tokens,
             num_teachers=run.num_teachers,
             temperature=run.temperature,
+            allow_large_delta=run.allow_large_delta,
         )
         return peer_method.plan(self.name, run, config, epsilon, worst_case_charges(config))
 
