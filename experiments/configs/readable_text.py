@@ -110,8 +110,6 @@ class ReadableTextConfig:
         Generator(method="coordinated", epsilon=1.0, public_candidates=16),
         Generator(method="coordinated", epsilon=10.0, public_candidates=16),
         Generator(method="coordinated", epsilon=10.0),
-        Generator(method="invisibleink", epsilon=1.0),
-        Generator(method="invisibleink", epsilon=10.0),
     )
     num_samples: int = 24
     max_new_tokens: int = 24

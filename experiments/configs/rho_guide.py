@@ -15,10 +15,11 @@ The paper's operating points (appendix A.2, ρ = 0.1): about 8,970 examples for 
 vision (k = 14) and 2.8M tokens for α ≈ 0.001 in language (k = 16); the bound gives 27,500
 and 2.78M with B = C = 1 (8,970 with B = C = 0.563).
 
-Measured (cpu preset, C = 10.57, 6 min on the loaded 2-core machine): for α = 0.01 the guide
-asks for 30,254 examples at ε = 1 (statistics-limited) and 96,515 at ε = 0.1 (privacy-limited);
-the measured mean excess first falls below α at n = 16,000 and n = 64,000. Measured / bound is
-0.02-2.09 at ε = 1 and 0.23-2.95 at ε = 0.1 (above 1 around n = 1k-16k, where noise dominates).
+Measured (cpu preset, C = 10.57, 40 s on 2 CPU cores, docs/results/rho_guide.json): for α = 0.01 the
+guide asks for 30,254 examples at ε = 1 (statistics-limited) and 96,515 at ε = 0.1
+(privacy-limited); the measured mean excess first falls below α at n = 16,000 and n = 64,000.
+Measured / bound is 0.05-2.09 at ε = 1 and 0.23-2.36 at ε = 0.1 (above 1 at three grid points, where
+noise dominates: the bound assumes a converged solver, the run a fixed T and η).
 """
 
 from __future__ import annotations

@@ -107,6 +107,49 @@ def test_a_larger_mixture_split_helps_dp_mixmin_as_in_the_papers_rho_sweep():
     assert spreads == sorted(spreads, reverse=True)
 
 
+def ablation_utility(results: dict) -> dict:
+    """{setting: {seed: test AUC}} of the stored ablations."""
+    by_setting = collections.defaultdict(dict)
+    for run in results["runs"]:
+        by_setting[run["setting"]][run["seed"]] = run["utility"]
+    return by_setting
+
+
+def test_every_proxy_budget_beats_uniform_and_the_longest_dips():
+    # The paper (Table 3, NIH Atelectasis): DP-MixMin above Uniform at every proxy budget, a flat
+    # profile over 1 to 6 proxy epochs. Ours (docs/ablations.md): every DP-MixMin setting above
+    # Uniform (0.7836); 75 to 300 proxy steps at most 0.012 apart; 450 steps (0.8789) below the
+    # shorter budgets, in the mean over seeds.
+    results = stored("ablations")
+    auc = {name: np.mean(list(v.values())) for name, v in ablation_utility(results).items()}
+    uniform = auc.pop("Uniform")
+    assert min(auc.values()) > uniform
+    proxy = [s["setting"] for s in results["settings"] if s["study"] == "proxy"]
+    steps = [s["proxy_steps"] for s in results["settings"] if s["study"] == "proxy"]
+    assert steps == [75, 150, 300, 450]
+    shorter = [auc[name] for name in proxy[:-1]]
+    assert max(shorter) - min(shorter) <= 0.012
+    assert auc[proxy[-1]] < min(shorter)
+
+
+def test_sequential_composition_is_below_parallel_as_in_table_6():
+    # The paper (Table 6): sequential composition below parallel (0.740 ± 0.010 against 0.747 ±
+    # 0.005). Ours (docs/ablations.md): 0.8747 ± 0.0199 against 0.8968 ± 0.0038, the mixture stage
+    # at ε = 0.1 and fine-tuning at 0.9; the accountant's ε of the two stages composed is below
+    # the 1 their noise was calibrated to by summing. Below on every seed here.
+    results = stored("ablations")
+    by_setting = ablation_utility(results)
+    parallel, sequential = by_setting["parallel"], by_setting["sequential 0.1/0.9"]
+    assert sorted(sequential) == sorted(parallel) == results["seeds"]
+    assert all(sequential[seed] < parallel[seed] for seed in results["seeds"])
+    for run in results["runs"]:
+        if run["setting"] == "sequential 0.1/0.9":
+            stages = run["stage_epsilons"]
+            assert stages["mixture"] == pytest.approx(0.1, rel=1e-3)
+            assert stages["finetune"] == pytest.approx(0.9, rel=1e-3)
+            assert run["spent_epsilon"] < sum(stages.values()) <= 1 + 1e-9
+
+
 def test_nih_presets_on_cpu_keep_the_papers_order_at_every_epsilon():
     """Tables 7 and 8's order on the NIH experiments' code (digits stand-in): DP-MixMin above
     Uniform above Random Search above Random Init at every ε, below the non-private MixMin
@@ -157,6 +200,25 @@ def test_per_task_gains_are_largest_for_dp_mixmin_as_in_the_paper():
     assert cosine["dp_mixmin"]["mean"] > cosine["uniform"]["mean"]
 
 
+def test_dp_mixmin_beats_uniform_in_both_prevalence_groups_as_in_table_10():
+    # The paper (Table 10, CheXpert -> NIH, ε = 1): DP-MixMin above Uniform in both halves of the
+    # tasks by prevalence, +0.040 (+5.6%) on the more prevalent and +0.034 (+6.0%) on the rarer.
+    # Ours (docs/experiments.md, per-task gains): +0.092 (+13.8%) and +0.081 (+17.8%); as in the
+    # paper, the gain is larger in absolute terms on group A and in relative terms on group B.
+    results = stored("per_task")
+    prevalence = collections.defaultdict(list)
+    for task in results["tasks"]:
+        prevalence[task["group"]].append(task["prevalence"])
+    assert min(prevalence["A"]) > max(prevalence["B"])
+    ours, paper = results["groups"], results["paper"]["groups_vs_uniform"]
+    for group in ("A", "B"):
+        assert ours[group]["vs_uniform"]["absolute"] > 0 and paper[group]["absolute"] > 0
+        assert ours[group]["gain_ratio"]["uniform"] > 1
+    a, b = ours["A"]["vs_uniform"], ours["B"]["vs_uniform"]
+    assert a["absolute"] > b["absolute"] and paper["A"]["absolute"] > paper["B"]["absolute"]
+    assert b["relative"] > a["relative"] and paper["B"]["relative"] > paper["A"]["relative"]
+
+
 def test_small_epsilon_weights_degrade_gracefully_as_in_the_paper():
     # The paper (Tables 11, 14, 15): at ε = 1 DP-MixMin's λ is far closer to non-private
     # MixMin's λ than uniform weights; at ε = 0.2 it degrades, and where D_mix holds few units
@@ -186,6 +248,86 @@ def test_gsd_cannot_tell_shared_input_sources_apart_and_dp_mixmin_beats_the_orac
     assert results["methods"]["dp_mixmin"]["mean"] > results["gsd_selected"]["random_init"]["mean"]
 
 
+def test_the_rho_guides_sufficient_n_reaches_alpha_on_the_measured_grid():
+    # The paper (appendix A.2) sizes D_mix from the excess-loss bound: n units suffice for an
+    # excess α. Ours (docs/experiments.md, ρ guide): at α = 0.01 the measured mean excess first
+    # falls to α at a grid n below the guide's sufficient n (64,000 against 96,515 at ε = 0.1,
+    # 16,000 against 30,254 at ε = 1) and stays there; the bound is privacy-limited below
+    # n× = (C/B)²·log(1/δ)/ε²; the paper's language point (2.8M tokens for α = 0.001, k = 16) is
+    # the guide's size within 1%. The measured excess is not below the bound everywhere (2.36
+    # times it at ε = 0.1, n = 4,000): that relation is not asserted.
+    results = stored("rho_guide")
+    config, clip_norm = results["config"], results["clip_norm"]
+    for item in results["summary"]:
+        epsilon, sizes = item["epsilon"], item["sizes"]
+        means = zip(sizes, item["dp_mean"], strict=True)
+        reached = [n for n, excess in means if excess <= config["alpha"]]
+        assert reached == sizes[sizes.index(item["first_grid_n_reaching_alpha"]) :]
+        assert reached[0] <= item["sufficient_n"]
+        crossover = clip_norm**2 * np.log(1 / config["delta"]) / epsilon**2
+        assert item["crossover_n"] == pytest.approx(crossover)
+        regimes = ["privacy" if n < crossover else "statistics" for n in sizes]
+        assert item["limited_by"] == regimes
+        assert item["epsilon_spent_max"] <= epsilon * (1 + 1e-9)
+    language = results["paper_points"][1]
+    assert language["k"] == 16 and language["alpha"] == 1e-3
+    assert language["sufficient_units_b1"] == pytest.approx(language["paper_units"], rel=0.01)
+
+
+def tabular_by_point(results: dict) -> tuple[dict, dict]:
+    """Mean test AUC by (shift, ε, method) and paired differences by (shift, ε)."""
+    auc = {(r["shift"], r["epsilon"], r["method"]): r["auc"][0] for r in results["table"]}
+    differences = {(d["shift"], d["epsilon"]): d for d in results["differences"]}
+    return auc, differences
+
+
+def test_tabular_pretraining_pays_and_the_mixture_does_not():
+    # The DP-MixMin paper assumes the sources share the sensitive inputs' distribution.
+    # docs/tabular.md, on a table with age-band sources: every method that pretrains beats Random
+    # Init, DP-MixMin by +0.062 to +0.133; DP-MixMin does not beat Uniform (paired differences
+    # between -0.023 and +0.005, Uniform ahead at ε = 0.5 at every shift); nor does non-private
+    # MixMin's λ, below Uniform at all 9 points.
+    auc, differences = tabular_by_point(stored("tabular"))
+    assert len(differences) == 9
+    for (shift, epsilon, method), value in auc.items():
+        if method != "random_init":
+            assert value > auc[(shift, epsilon, "random_init")], (shift, epsilon, method)
+    for (shift, epsilon), row in differences.items():
+        assert row["dp_mixmin - random_init"][0] > 0.06
+        assert -0.025 < row["dp_mixmin - uniform"][0] < 0.005
+        if epsilon == 0.5:
+            assert row["dp_mixmin - uniform"][0] < 0, shift
+        assert row["nonprivate_mixmin - uniform"][0] < 0, (shift, epsilon)
+
+
+def test_tabular_covariate_shift_costs_a_little_and_reweighting_does_not_pay():
+    # docs/tabular.md: Uniform's AUC falls over shifts 0, 1, 2 at each ε; DP-MixMin's gap to
+    # Uniform widens with the shift only at ε = 0.5 (-0.008, -0.009, -0.023); the density-ratio
+    # variant is below DP-MixMin at 7 of the 9 points, by the most at the largest shift, and
+    # its effective number of public rows falls with the shift.
+    results = stored("tabular")
+    auc, differences = tabular_by_point(results)
+    shifts = sorted({shift for shift, _ in differences})
+    effective = collections.defaultdict(list)
+    for run in results["runs"]:
+        if run["method"] == "dp_mixmin_ratio":
+            point = (run["shift"], run["epsilon"])
+            effective[point].append(run["extra"]["effective_public_rows"])
+    for epsilon in sorted({epsilon for _, epsilon in differences}):
+        uniform = [auc[(shift, epsilon, "uniform")] for shift in shifts]
+        assert uniform == sorted(uniform, reverse=True), epsilon
+        gap, ratio = (
+            [differences[(shift, epsilon)][name][0] for shift in shifts]
+            for name in ("dp_mixmin - uniform", "dp_mixmin_ratio - dp_mixmin")
+        )
+        assert (gap[0] > gap[1] > gap[2]) == (epsilon == 0.5), epsilon
+        assert min(ratio) == ratio[-1] < 0, epsilon
+        rows = [np.mean(effective[(shift, epsilon)]) for shift in shifts]
+        assert rows == sorted(rows, reverse=True), epsilon
+    below = [d["dp_mixmin_ratio - dp_mixmin"][0] < 0 for d in differences.values()]
+    assert sum(below) == 7
+
+
 def test_the_k_scaling_slope_is_near_the_papers():
     # The paper (Appendix A.6): DP-MixMin's excess loss grows with the number of sources k with a
     # log-log slope of 0.49 (theory 0.5). Ours, mirror descent on trained proxies over k >= 32,
@@ -193,6 +335,23 @@ def test_the_k_scaling_slope_is_near_the_papers():
     results = stored("k_scaling")
     assert abs(results["slopes"]["mirror_descent"] - 0.49) <= 0.15
     assert results["max_epsilon"] <= results["config"]["epsilon"] * (1 + 1e-9)
+
+
+def test_the_exponential_oracle_loses_to_the_gaussian_one_by_its_noise():
+    # docs/experiments.md: from k = 8 on, Frank-Wolfe's exponential-mechanism oracle has a larger
+    # excess than its Gaussian oracle, while without noise (its bias) it is the best of the three
+    # solvers from k = 32 on; mirror descent has the smallest excess at k = 1000.
+    results = stored("k_scaling")
+    ks, excess, parts = results["ks"], results["excess"], results["parts"]
+    exponential, gaussian = excess["frank_wolfe_exponential"], excess["frank_wolfe"]
+    for index, k in enumerate(ks):
+        if k >= 8:
+            assert exponential["mean"][index] > gaussian["mean"][index], k
+        if k >= 32:
+            biases = {name: parts[name]["bias"]["mean"][index] for name in parts}
+            assert min(biases, key=biases.get) == "frank_wolfe_exponential", k
+    last = {name: excess[name]["mean"][-1] for name in excess}
+    assert min(last, key=last.get) == "mirror_descent"
 
 
 AUDIT_PRIVATE_BOUNDS = (
@@ -299,6 +458,21 @@ def test_coordinated_coverage_is_above_independent_at_half_n(plausible_tokens):
     if plausible_tokens >= 3:
         assert cold_coverage < 0.05
         assert int(metrics.transferred_support(cold, threshold)[0]) <= 1
+
+
+def test_coordinated_sampling_transfers_the_natural_tasks_diversity():
+    # The paper (Hot PATE): coordinated sampling transfers the teachers' diversity, so many tokens
+    # pass a high threshold; independent sampling splits the votes. Ours (docs/experiments.md,
+    # Hot PATE (b), n = 512 in-context teachers over e-mail sentences, mean over 8 steps): at
+    # T = n/2 = 256 coverage 0.836 against 0.076 and 126.4 tokens transferred against 0.1; the
+    # largest passing T in one try is 439 against 106.
+    natural = stored("hot_pate")["natural"]
+    hot, cold = natural["mean"]["coordinated"], natural["mean"]["independent"]
+    assert natural["thresholds"][-1] == natural["num_teachers"] / 2
+    assert all(h > c for h, c in zip(hot["coverage"], cold["coverage"], strict=True))
+    assert hot["coverage"][-1] > 0.8 and cold["coverage"][-1] < 0.1
+    assert hot["support"][-1] > 100 and cold["support"][-1] < 1
+    assert hot["max_passing_threshold"]["1"] > 4 * cold["max_passing_threshold"]["1"]
 
 
 @pytest.mark.parametrize("name", ["enron_rho", "openwebmath"])
