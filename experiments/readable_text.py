@@ -257,7 +257,7 @@ def markdown(results: dict) -> str:
     """One table per document set: every generator's ε, English-word share, MAUVE, distinct-2
     and teacher-token share."""
     lines = [
-        f"Model: {results['model']}; δ = {results['config']['delta']:g} per private run; "
+        f"Model: {results['config']['model']}; δ = {results['config']['delta']:g} per private run; "
         f"{results['config']['num_samples']} texts of at most "
         f"{results['config']['max_new_tokens']} tokens per run.",
     ]
