@@ -30,7 +30,8 @@ from experiments.configs.bench_grads import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STORED = {p: ROOT / "docs" / "results" / f"bench-{p}.json" for p in ("cpu", "cpu_small", "pate")}
+PRESETS_STORED = ("cpu", "cpu_small", "pate", "smollm2")
+STORED = {p: ROOT / "docs" / "results" / f"bench-{p}.json" for p in PRESETS_STORED}
 
 
 def _parameters(model: str) -> int:
@@ -269,6 +270,11 @@ def test_performance_and_lora_pages_show_the_stored_runs():
         assert table(small) in small_models
     samplers_only = json.loads(STORED["pate"].read_text())
     assert bench_grads.pate_table(samplers_only) in performance
+    smollm2 = json.loads(STORED["smollm2"].read_text())
+    smollm2_section = page[page.index("## SmolLM2-135M on CPU") :]
+    for table in (bench_grads.performance_table, bench_grads.memory_table, bench_grads.lora_table):
+        assert table(smollm2) in smollm2_section
+    assert bench_grads.generation_table(smollm2) in smollm2_section
     for stored, section in (
         (report, performance),
         (small, small_models),
