@@ -175,7 +175,12 @@ def main(
                     else stages / f"{run_key(config, document_set, generator, seed)}.json"
                 )
                 if stage is not None and stage.exists():
-                    run = json.loads(stage.read_text())
+                    try:
+                        run = json.loads(stage.read_text())
+                    except ValueError as err:
+                        raise ValueError(
+                            f"{stage}: not a finished run ({err}); delete it to run it again"
+                        ) from None
                     log(f"{document_set.name} {generator.name}: read back from {stage.name}")
                 else:
                     if ensemble is None:

@@ -89,3 +89,12 @@ def test_a_generator_is_validated_on_construction():
         configs.Generator(method="gpt4", epsilon=1.0)
     with pytest.raises(ValueError, match="name must be one of"):
         configs.DocumentSet(name="emails", num_teachers=4, context_width=64, heldout=4)
+
+
+def test_a_corrupted_stage_is_one_line_naming_its_file(tmp_path, model_folder):
+    config = tiny_config(model_folder, generators=(configs.Generator(method="public"),))
+    readable_text.main(config, tmp_path, reproducible=True)
+    (stage,) = (tmp_path / "stages").glob("notes-public-*.json")
+    stage.write_text('{"texts": [')
+    with pytest.raises(ValueError, match=f"{stage.name}: not a finished run"):
+        readable_text.main(config, tmp_path, reproducible=True)
