@@ -83,6 +83,11 @@ class TextTokenizer:
         """Text of `ids` (special tokens kept, so decode(encode(t)) == t)."""
         return self._backend.decode(list(ids), skip_special_tokens=False)
 
+    def to_str(self) -> str:
+        """What determines the tokenizer, for fingerprints: its end-of-text token, then the JSON
+        text `save` writes."""
+        return f"{self.eos_token}\n{self._backend.to_str()}"
+
     def save(self, path: str | Path) -> Path:
         """Writes the whole tokenizer as one `tokenizer.json` file at `path`; returns the path."""
         path = Path(path)

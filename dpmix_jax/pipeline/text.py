@@ -6,8 +6,8 @@ sent mail: user-level DP, a user's whole mail is one unit) or without (OpenWebMa
 DP, one document is one unit; such tasks give every document its own user id). Stages, each
 stored so that a rerun skips it:
 
-0. a byte-level BPE tokenizer trained on the public documents only (or GPT-2's own), shared by
-   every seed: it never sees sensitive text;
+0. a byte-level BPE tokenizer trained on the public documents only (or GPT-2's own, or the
+   pretrained model's own), shared by every seed: it never sees sensitive text;
 1. split the sensitive train split into disjoint D_mix (fraction ρ of the users, or of the
    documents at example level) and D_ft;
 2. train one GPT-2 proxy per public domain on that domain's documents;
@@ -15,7 +15,8 @@ stored so that a rerun skips it:
    scored tokens (each document scored from an end-of-text context, cut to the proxy's length);
 4. learn λ with `mixing.dp_mixmin(kind="sequence")` at (ε, δ) on D_mix (user level: users
    Poisson-sampled, up to G of their documents each, averaged, clipped);
-5. pretrain the downstream GPT-2 on public documents drawn by λ (`train.pretrain.PackedMixture`);
+5. pretrain the downstream LM on public documents drawn by λ (`train.pretrain.PackedMixture`):
+   a GPT-2 from scratch, or a pretrained public model such as SmolLM2-135M trained further;
 6. DP-fine-tune it on D_ft: user level, each user's documents packed into rows of their own and a
    Poisson-sampled user contributing up to G rows; example level, one row per document;
 7. evaluate perplexity on the test users' documents (packed per user), lower is better.
@@ -27,7 +28,8 @@ the same stages (see `results.METHOD_NOTES`).
 API (the task and its adapters live in `text_data` and are re-exported here):
     DomainTextTask, from_builtin, from_user_documents, from_enron, from_document_files,
     documents_as_units, require_paths                   (see `pipeline.text_data`)
-    LanguageModelSpec(*, config, weights=None)          .build(vocab_size, *, seed, load=True)
+    LanguageModelSpec(*, config, weights=None)          a GPT-2        (see `pipeline.text_models`)
+    PretrainedModelSpec(*, name, seq_len)               "smollm2", a .gguf file, a model folder
     TextPipelineConfig(*, level, mix_fraction, ..., proxy, mixture, pretrain, finetune)
     TextPipeline(task, config, root, *, on_stage=None, reproducible=False)
         .run(method, epsilon, seed) -> RunResult       (and the stages: split, tokenizer,
@@ -51,7 +53,6 @@ from flax import nnx
 from dpmix_jax.data.text import document_tokens, pack_sequences
 from dpmix_jax.data.tokenizer import TextTokenizer, gpt2_tokenizer, train_bpe_tokenizer
 from dpmix_jax.models import lora
-from dpmix_jax.models.gpt2 import GPT2, GPT2Config, trainable_mask
 from dpmix_jax.pipeline.budget import Composition, check_allow_large_delta, stage_epsilons
 from dpmix_jax.pipeline.mixture_config import MixtureConfig
 from dpmix_jax.pipeline.mixture_pipeline import MixturePipeline
@@ -66,6 +67,11 @@ from dpmix_jax.pipeline.text_data import (
     from_user_documents,
     require_paths,
 )
+from dpmix_jax.pipeline.text_models import (
+    LanguageModelSpec,
+    PretrainedModelSpec,
+    last_blocks_mask,
+)
 from dpmix_jax.privacy import validation
 from dpmix_jax.train import Checkpointer, IndexedData, TrainConfig, Trainer, evaluate, fit, losses
 from dpmix_jax.train.engine import TrainState, split_model
@@ -73,12 +79,15 @@ from dpmix_jax.train.pretrain import PackedMixture
 from dpmix_jax.train.proxies import sequence_proxy_outputs
 
 Level = Literal["user", "example"]
-TokenizerKind = Literal["bpe", "gpt2"]
+TokenizerKind = Literal["bpe", "gpt2", "model"]
+ModelSpec = LanguageModelSpec | PretrainedModelSpec
 Split = Literal["train", "val", "test"]
+Role = Literal["proxy", "model"]
 
 __all__ = [
     "DomainTextTask",
     "LanguageModelSpec",
+    "PretrainedModelSpec",
     "Level",
     "TextPipeline",
     "TextPipelineConfig",
@@ -97,34 +106,6 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LanguageModelSpec:
-    """A GPT-2 architecture, optionally started from a local checkpoint.
-
-    Attributes:
-        config: the architecture; its `vocab_size` is replaced by the tokenizer's and
-            `n_positions` is the training sequence length.
-        weights: a local transformers GPT-2 folder or weights file to start from (None: random
-            initialisation). Its vocabulary must be the tokenizer's (GPT-2's for GPT-2 weights).
-    """
-
-    config: GPT2Config
-    weights: str | None = None
-
-    @property
-    def seq_len(self) -> int:
-        return self.config.n_positions
-
-    def build(self, vocab_size: int, *, seed: int, load: bool = True) -> GPT2:
-        """The model for a `vocab_size` tokenizer: the checkpoint's weights when `weights` is set
-        and `load` is True, else a random initialisation from `seed`."""
-        config = dataclasses.replace(self.config, vocab_size=vocab_size)
-        if self.weights is None or not load:
-            return GPT2(config, rngs=nnx.Rngs(seed))
-        require_paths({"GPT-2 weights": self.weights})
-        return GPT2.from_pretrained(self.weights, config=config)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class TextPipelineConfig:
     """Public settings of the text pipeline.
 
@@ -136,10 +117,14 @@ class TextPipelineConfig:
         mix_fraction: ρ, the fraction of the train users (documents) given to the mixture stage.
         composition: "parallel" (disjoint D_mix, D_ft: max) or "sequential" (no split; sum).
         sequential_mixture_share: with sequential composition, the mixture stage's share of ε.
-        tokenizer: "bpe" (a byte-level BPE trained on the public documents) or "gpt2".
+        tokenizer: "bpe" (a byte-level BPE trained on the public documents), "gpt2", or
+            "model": the tokenizer of `model`, a `PretrainedModelSpec` (required with one).
         vocab_size: the BPE vocabulary size ("bpe" only).
-        proxy_model: the per-domain proxy LM.
-        model: the downstream LM.
+        proxy_model: the per-domain proxy LM (a GPT-2 trained from scratch on the pipeline's
+            tokenizer).
+        model: the downstream LM: a GPT-2 (`LanguageModelSpec`) or a pretrained public model
+            (`PretrainedModelSpec`, e.g. SmolLM2-135M), pretrained further on the λ-mixture and
+            fine-tuned privately.
         proxy: public training of each proxy (rows of `proxy_model.seq_len` tokens).
         shared_proxies: train the k proxies once (seed 0, under `root/proxies`) and use them for
             every seed, instead of a proxy set per seed. They see public data only, so sharing
@@ -166,7 +151,7 @@ class TextPipelineConfig:
     tokenizer: TokenizerKind = "bpe"
     vocab_size: int = 512
     proxy_model: LanguageModelSpec
-    model: LanguageModelSpec
+    model: ModelSpec
     proxy: TrainConfig
     shared_proxies: bool = False
     mixture: MixtureConfig
@@ -185,8 +170,18 @@ class TextPipelineConfig:
         if not 0 < self.mix_fraction < 1:
             raise ValueError(f"mix_fraction must be in (0, 1), got {self.mix_fraction!r}.")
         stage_epsilons(1.0, self.composition, self.sequential_mixture_share)
-        if self.tokenizer not in ("bpe", "gpt2"):
-            raise ValueError(f"tokenizer must be 'bpe' or 'gpt2', got {self.tokenizer!r}.")
+        if self.tokenizer not in ("bpe", "gpt2", "model"):
+            raise ValueError(f"tokenizer must be 'bpe', 'gpt2' or 'model', got {self.tokenizer!r}.")
+        if not isinstance(self.proxy_model, LanguageModelSpec):
+            raise ValueError("proxy_model must be a LanguageModelSpec (a GPT-2 trained here).")
+        if not isinstance(self.model, LanguageModelSpec | PretrainedModelSpec):
+            raise ValueError("model must be a LanguageModelSpec or a PretrainedModelSpec.")
+        if (self.tokenizer == "model") != isinstance(self.model, PretrainedModelSpec):
+            raise ValueError(
+                "tokenizer='model' goes with a PretrainedModelSpec model, and a pretrained "
+                f"model needs its own tokenizer; got tokenizer={self.tokenizer!r} and a "
+                f"{type(self.model).__name__}."
+            )
         if self.tokenizer == "bpe" and not (
             isinstance(self.vocab_size, int) and self.vocab_size >= 257
         ):
@@ -206,13 +201,15 @@ class TextPipelineConfig:
                 "mixture.max_examples_per_user (G) is required at user level and unused at "
                 f"example level; level is {self.level!r}."
             )
-        if self.finetune_last_blocks is not None and not (
-            isinstance(self.finetune_last_blocks, int)
-            and 0 <= self.finetune_last_blocks <= self.model.config.n_layer
-        ):
+        last = self.finetune_last_blocks
+        if last is not None and not (isinstance(last, int) and not isinstance(last, bool)):
+            raise ValueError(f"finetune_last_blocks must be None or an integer, got {last!r}.")
+        # A pretrained model's depth is known once it loads (`finetune_trainer` checks it then).
+        gpt2_depth = self.model.num_blocks if isinstance(self.model, LanguageModelSpec) else None
+        if last is not None and gpt2_depth is not None and not 0 <= last <= gpt2_depth:
             raise ValueError(
-                f"finetune_last_blocks must be None or an integer in [0, "
-                f"{self.model.config.n_layer}], got {self.finetune_last_blocks!r}."
+                f"finetune_last_blocks must be None or an integer in [0, {gpt2_depth}], got "
+                f"{last!r}."
             )
         if self.finetune_lora is not None and (
             not isinstance(self.finetune_lora, lora.LoraConfig)
@@ -291,7 +288,8 @@ class TextPipeline(MixturePipeline):
     ):
         super().__init__(task, config, root, on_stage=on_stage, reproducible=reproducible)
         self._trainers: dict[str, Trainer] = {}
-        self._encoded: dict[str, list[list[int]]] = {}
+        self._encoded: dict[tuple[Split, Role], list[list[int]]] = {}
+        self._public_encoded: dict[Role, list[list[np.ndarray]]] = {}
 
     higher_is_better = False
 
@@ -302,10 +300,25 @@ class TextPipeline(MixturePipeline):
     # ------------------------------------------------------------------ tokens
     @functools.cached_property
     def tokenizer(self) -> TextTokenizer:
-        """GPT-2's tokenizer, or a BPE trained on the public documents only (stored at
-        `tokenizer.json` in the settings folder, shared by every seed)."""
+        """The downstream model's tokenizer: GPT-2's, the pretrained model's own, or a BPE
+        trained on the public documents only (`_public_bpe`)."""
         if self.config.tokenizer == "gpt2":
             return gpt2_tokenizer()
+        if self.config.tokenizer == "model":
+            return self.config.model.tokenizer
+        return self._public_bpe()
+
+    @functools.cached_property
+    def proxy_tokenizer(self) -> TextTokenizer:
+        """The proxies' tokenizer: the pipeline's, except beside a pretrained model, whose
+        vocabulary (49,152 tokens for SmolLM2) would dwarf a small proxy: then a BPE of
+        `vocab_size` trained on the public documents. The proxies' log-probabilities of a
+        document do not depend on the downstream model's tokenizer."""
+        return self._public_bpe() if self.config.tokenizer == "model" else self.tokenizer
+
+    def _public_bpe(self) -> TextTokenizer:
+        """A BPE of `vocab_size` trained on the public documents only (stored at
+        `tokenizer.json` in the settings folder, shared by every seed)."""
         path = self.settings_folder() / "tokenizer.json"
         if not path.exists():
             self._on_stage("tokenizer")
@@ -315,22 +328,30 @@ class TextPipeline(MixturePipeline):
             path.chmod(0o600)
         return TextTokenizer.from_file(path)
 
-    @functools.cached_property
-    def _public_tokens(self) -> list[list[np.ndarray]]:
-        return [
-            [np.asarray(t, np.int32) for t in self.tokenizer.encode_batch(list(docs))]
-            for docs in self.task.public_domains.values()
-        ]
+    def _tokenizer(self, role: Role) -> TextTokenizer:
+        return self.proxy_tokenizer if role == "proxy" else self.tokenizer
 
-    def _tokens(self, split: Split) -> list[list[int]]:
-        """Token ids of a sensitive split's documents (empty documents get one end-of-text).
+    def _public_tokens(self, role: Role) -> list[list[np.ndarray]]:
+        """Token ids of every public domain's documents, by the `role`'s tokenizer."""
+        if role not in self._public_encoded:
+            tokenizer = self._tokenizer(role)
+            self._public_encoded[role] = [
+                [np.asarray(t, np.int32) for t in tokenizer.encode_batch(list(docs))]
+                for docs in self.task.public_domains.values()
+            ]
+        return self._public_encoded[role]
+
+    def _tokens(self, split: Split, role: Role = "model") -> list[list[int]]:
+        """Token ids of a sensitive split's documents by the `role`'s tokenizer (empty
+        documents get one end-of-text).
 
         Privacy: a per-document map with a tokenizer fitted on public text only.
         """
-        if split not in self._encoded:
-            encoded = self.tokenizer.encode_batch(list(getattr(self.task, split).texts))
-            self._encoded[split] = [ids or [self.tokenizer.eos_id] for ids in encoded]
-        return self._encoded[split]
+        if (split, role) not in self._encoded:
+            tokenizer = self._tokenizer(role)
+            encoded = tokenizer.encode_batch(list(getattr(self.task, split).texts))
+            self._encoded[split, role] = [ids or [tokenizer.eos_id] for ids in encoded]
+        return self._encoded[split, role]
 
     def _packed_rows(self, split: Split, rows: np.ndarray, seq_len: int):
         """The documents at `rows` packed per unit (user, or document at example level) into
@@ -372,6 +393,11 @@ class TextPipeline(MixturePipeline):
         return digest.hexdigest()
 
     # ------------------------------------------------------------------ stages
+    def settings(self) -> dict[str, Any]:
+        """`MixturePipeline.settings` and the digest of the downstream model's starting weights,
+        so that stages are never read back for a checkpoint whose content changed."""
+        return {**super().settings(), "model_weights": self.config.model.identity()}
+
     def split_unit_ids(self) -> list[str]:
         """Each document's user name at user level (D_mix and D_ft are then user-disjoint), its
         text at example level: identifiers that depend on the unit alone."""
@@ -380,17 +406,18 @@ class TextPipeline(MixturePipeline):
             return [train.users[u] for u in train.user_ids]
         return list(train.texts)
 
-    def _public_trainer(self, name: str, config: TrainConfig, spec: LanguageModelSpec) -> Trainer:
+    def _public_trainer(self, name: str, config: TrainConfig, spec: ModelSpec) -> Trainer:
         """One public `Trainer` per role, compiled once and reused for every model it trains."""
         if name not in self._trainers:
-            model = spec.build(self.tokenizer.vocab_size, seed=0, load=False)
+            role = "proxy" if name == "proxy" else "model"
+            model = spec.build(self._tokenizer(role).vocab_size, seed=0, load=False)
             loss = losses.next_token_nll(mask_key="mask" if name == "proxy" else None)
             self._trainers[name] = Trainer(config, model, loss)
         return self._trainers[name]
 
     def _fit_public(
         self, stage: str, directory: pathlib.Path, seed: int, trainer: Trainer, model, data
-    ) -> GPT2:
+    ) -> nnx.Module:
         """Trains `model` with the shared `trainer`, checkpointed in `directory`."""
         checkpointer = Checkpointer(directory)
         if checkpointer.latest_step() != trainer.config.steps:
@@ -404,7 +431,7 @@ class TextPipeline(MixturePipeline):
         checkpointer.close()
         return result.model
 
-    def proxies(self, seed: int) -> list[GPT2]:
+    def proxies(self, seed: int) -> list[nnx.Module]:
         """One proxy LM per public domain, trained on that domain's documents only (the seed's
         own set, or with `shared_proxies` the set of seed 0 under `proxies/` in the settings
         folder)."""
@@ -414,16 +441,16 @@ class TextPipeline(MixturePipeline):
             store = self._store(seed)
         spec = self.config.proxy_model
         trainer = self._public_trainer("proxy", self.config.proxy, spec)
-        eos = self.tokenizer.eos_id
+        tokenizer = self.proxy_tokenizer
         models = []
         for index, (domain, tokens) in enumerate(
-            zip(self.task.source_names, self._public_tokens, strict=True)
+            zip(self.task.source_names, self._public_tokens("proxy"), strict=True)
         ):
-            packed = pack_sequences(tokens, seq_len=spec.seq_len, eos_id=eos)
+            packed = pack_sequences(tokens, seq_len=spec.seq_len, eos_id=tokenizer.eos_id)
             data = IndexedData(
                 gather=_row_gather(packed.tokens, packed.mask), num_examples=len(packed.tokens)
             )
-            model = spec.build(self.tokenizer.vocab_size, seed=derived_seed(seed, "proxy", domain))
+            model = spec.build(tokenizer.vocab_size, seed=derived_seed(seed, "proxy", domain))
             models.append(
                 self._fit_public("proxy", store.path(f"proxy_{index}"), seed, trainer, model, data)
             )
@@ -441,11 +468,11 @@ class TextPipeline(MixturePipeline):
             models = self.proxies(seed)
             mix, _ = self.split(seed)
             self._on_stage("proxy_outputs")
-            all_tokens = self._tokens("train")
+            all_tokens = self._tokens("train", "proxy")
             tokens, mask, _ = _scored_documents(
                 [all_tokens[i] for i in mix],
                 seq_len=self.config.proxy_model.seq_len,
-                eos_id=self.tokenizer.eos_id,
+                eos_id=self.proxy_tokenizer.eos_id,
             )
             log_probs, counts = sequence_proxy_outputs(
                 models,
@@ -478,16 +505,18 @@ class TextPipeline(MixturePipeline):
             "user_ids": self._mixture_users(seed),
         }
 
-    def pretrained(self, weights: np.ndarray | None, seed: int) -> GPT2:
+    def pretrained(self, weights: np.ndarray | None, seed: int) -> nnx.Module:
         """The downstream LM pretrained on public documents drawn by λ (document i of a domain
-        with probability λ_domain / size), or a fresh random initialisation for `weights=None`."""
+        with probability λ_domain / size), or a fresh random initialisation for `weights=None`.
+        A pretrained public model (`PretrainedModelSpec`) starts from its own weights and is
+        trained further on the mixture; its Random Init is its architecture at random."""
         spec = self.config.model
         vocab = self.tokenizer.vocab_size
         if weights is None:
             return spec.build(vocab, seed=derived_seed(seed, "model"), load=False)
         model = spec.build(vocab, seed=derived_seed(seed, "model"))
         data = PackedMixture(
-            self._public_tokens,
+            self._public_tokens("model"),
             weights,
             seq_len=spec.seq_len,
             batch_size=self.config.pretrain.batch_size,
@@ -520,7 +549,7 @@ class TextPipeline(MixturePipeline):
         return IndexedData(gather=_row_gather(tokens, mask), num_examples=len(rows)), len(rows)
 
     def finetune_trainer(
-        self, init: GPT2, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
+        self, init: nnx.Module, config: TrainConfig, rows: np.ndarray, noise_key: jax.Array
     ) -> tuple[Trainer, IndexedData]:
         """DP-SGD on the next-token loss of the train documents at `rows` (`_finetune_data`),
         training the last `finetune_last_blocks` blocks, LoRA adapters added to a copy of `init`
@@ -531,7 +560,7 @@ class TextPipeline(MixturePipeline):
         """
         data, num_units = self._finetune_data(rows)
         last = self.config.finetune_last_blocks
-        mask = None if last is None else trainable_mask(init, last_n_blocks=last)
+        mask = None if last is None else last_blocks_mask(init, last)
         if self.config.finetune_lora is not None:
             init = lora.add_lora(nnx.clone(init), self.config.finetune_lora, rngs=nnx.Rngs(0))
             mask = lora.trainable_mask(init)
@@ -545,7 +574,7 @@ class TextPipeline(MixturePipeline):
         )
         return trainer, data
 
-    def utility(self, model: GPT2, split: Split) -> float:
+    def utility(self, model: nnx.Module, split: Split) -> float:
         """Perplexity of the LM on a sensitive split's documents, packed per unit (test or
         validation users).
 
