@@ -107,12 +107,29 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
     generate.add_argument("--num-samples", type=int, default=4, metavar="N", help="texts")
     generate.add_argument(
         "--method",
-        choices=synthesis.METHODS,
+        choices=synthesis.GENERATORS,
         default="coordinated",
         help="the generator: Hot PATE's vote histograms, coordinated (hot, shared sampling "
         "noise) or independent (cold), or a peer on the same teachers ("
         + ", ".join(f"{name}: {synthesis.REGISTRY[name].label}" for name in synthesis.PEER_METHODS)
-        + ")",
+        + f"), or {synthesis.DP_FINETUNE}: DP-LoRA fine-tuning of the public model on the "
+        "documents, then sampling (no teachers; ε is paid once, for any number of texts)",
+    )
+    generate.add_argument(
+        "--finetune-steps",
+        type=int,
+        default=None,
+        metavar="S",
+        help=f"with --method {synthesis.DP_FINETUNE}: DP-SGD steps (default "
+        f"{synthesis.GeneratorTuning().steps})",
+    )
+    generate.add_argument(
+        "--finetune-batch-size",
+        type=int,
+        default=None,
+        metavar="B",
+        help=f"with --method {synthesis.DP_FINETUNE}: the expected units (documents or users) "
+        f"in a step, below their number (default {synthesis.GeneratorTuning().batch_size})",
     )
     generate.add_argument(
         "--aggregator",
@@ -229,8 +246,10 @@ def _generate(args: argparse.Namespace) -> int:
     if not low <= args.epsilon <= high:
         raise ValueError(f"argument --epsilon must be in [{low:g}, {high:g}], got {args.epsilon:g}")
     individual = args.accounting == "individual"
+    finetuned = _check_finetune_arguments(args)
     num_teachers = _default_teachers(args) if args.num_teachers is None else args.num_teachers
-    if not individual or args.num_teachers is not None:  # else δ < 1/units, checked on the data
+    # With one teacher per unit, or no teachers, δ < 1/units is checked on the data.
+    if not finetuned and (not individual or args.num_teachers is not None):
         validation.check_delta_for_units(
             args.delta,
             max(num_teachers, 1),
@@ -250,7 +269,7 @@ def _generate(args: argparse.Namespace) -> int:
         validation.check_steps(args.tuning_steps, "argument --tuning-steps")
     _check_individual_arguments(args)
     _public_candidates(args)
-    if args.documents is not None and args.num_teachers is None and not individual:
+    if args.documents is not None and args.num_teachers is None and not (individual or finetuned):
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "
             "the data's size (at most the number of documents or users)"
@@ -258,6 +277,43 @@ def _generate(args: argparse.Namespace) -> int:
     arguments.check_out_dir(args.out)
     with arguments.output_lock(args.out):
         return _run_generate(args)
+
+
+def _check_finetune_arguments(args: argparse.Namespace) -> bool:
+    """Whether the method is DP fine-tuning; refuses the options that do not apply to its
+    method (the teachers' with it, its own without it) in one line naming the option."""
+    from dpmix_jax import synthesis
+    from dpmix_jax.privacy import validation
+
+    own = {
+        "--finetune-steps": args.finetune_steps,
+        "--finetune-batch-size": args.finetune_batch_size,
+    }
+    if args.method != synthesis.DP_FINETUNE:
+        for option, value in own.items():
+            if value is not None:
+                raise ValueError(f"argument {option}: applies to --method {synthesis.DP_FINETUNE}")
+        return False
+    teachers_only = {
+        "--num-teachers": args.num_teachers is not None,
+        "--aggregator": args.aggregator != "confident_gnmax",
+        "--public-candidates": args.public_candidates is not None,
+        "--teachers": args.teachers != "in-context",
+        "--tuning-steps": args.tuning_steps is not None,
+        "--context-width": args.context_width is not None,
+        "--accounting": args.accounting != "standard",
+        "--charges-per-teacher": args.charges_per_teacher is not None,
+    }
+    for option, given in teachers_only.items():
+        if given:
+            raise ValueError(
+                f"argument {option}: applies to the teacher methods, not to --method "
+                f"{synthesis.DP_FINETUNE} (it has no teachers)"
+            )
+    for option, value in own.items():
+        if value is not None:
+            validation.check_steps(value, f"argument {option}")
+    return True
 
 
 def _parse_candidates(text: str) -> int | str:
@@ -272,7 +328,7 @@ def _public_candidates(args: argparse.Namespace) -> int | None:
     for "all"); None for the methods it does not apply to, where giving it is refused."""
     from dpmix_jax import synthesis
 
-    hot_pate = args.method not in synthesis.PEER_METHODS and args.accounting == "standard"
+    hot_pate = args.method in synthesis.registry.HOT_PATE and args.accounting == "standard"
     if not hot_pate:
         if args.public_candidates is not None:
             raise ValueError(
@@ -347,10 +403,19 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"argument --teachers fine-tuned: {err}") from None
         log("fine-tuning one adapter per teacher on its own documents")
     key = None if args.seed is None else randomness.prng_key(args.seed)
-    tuning = None
+    tuning = finetuning = None
     if args.tuning_steps is not None:
         tuning = synthesis.TeacherTuning(steps=args.tuning_steps)
-    bar = tqdm(total=args.num_samples * args.max_new_tokens, unit="tok", disable=args.quiet)
+    finetuned = args.method == synthesis.DP_FINETUNE
+    if finetuned:
+        defaults = synthesis.GeneratorTuning()
+        finetuning = synthesis.GeneratorTuning(
+            steps=args.finetune_steps or defaults.steps,
+            batch_size=args.finetune_batch_size or defaults.batch_size,
+        )
+        log(f"DP fine-tuning LoRA adapters of the public model for {finetuning.steps} steps")
+    total = finetuning.steps if finetuned else args.num_samples * args.max_new_tokens
+    bar = tqdm(total=total, unit="step" if finetuned else "tok", disable=args.quiet)
 
     def on_step() -> None:
         interrupt.raise_if_interrupted()  # a Ctrl-C stops the run at its next step
@@ -359,7 +424,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         bar.update(1)
 
     num_teachers = args.num_teachers
-    if num_teachers is None and args.accounting == "standard":
+    if num_teachers is None and args.accounting == "standard" and not finetuned:
         num_teachers = _default_teachers(args)
     with bar:
         result = synthesis.synthesize(
@@ -382,6 +447,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             context_width=args.context_width,
             allow_large_delta=args.allow_large_delta,
             public_candidates=_public_candidates(args),
+            finetuning=finetuning,
         )
         bar.total = bar.n  # samples that ended early leave steps unrun
         bar.refresh()
@@ -437,6 +503,8 @@ def _public_settings(args: argparse.Namespace, documents_source: str, model_sour
         "tuning_steps": args.tuning_steps,
         "accounting": args.accounting,
         "charges_per_teacher": args.charges_per_teacher,
+        "finetune_steps": args.finetune_steps,
+        "finetune_batch_size": args.finetune_batch_size,
     }
     if args.accounting == "individual":  # n is then the number of units
         del settings["num_teachers"]
@@ -470,17 +538,26 @@ def _write_outputs(
     _write_owner_only(out / OWNER_REPORT, json.dumps({**result.owner_report(), **owner}, indent=1))
     for marked in result.marked_texts:
         print(repr(marked))
-    teachers = (
-        "one teacher per unit"
-        if args.accounting == "individual"
-        else f"{result.num_teachers} teachers"
-    )
+    if result.num_teachers is None:  # DP fine-tuning
+        what = (
+            f"{result.method}: {result.num_queries} DP-SGD steps of LoRA adapters on the "
+            f"documents); all {result.tokens_generated} tokens came from the fine-tuned model"
+        )
+    else:
+        teachers = (
+            "one teacher per unit"
+            if args.accounting == "individual"
+            else f"{result.num_teachers} teachers"
+        )
+        what = (
+            f"{result.method}: {result.num_queries} queries of {teachers}); "
+            f"{result.steps_with_output} of {result.tokens_generated} tokens came from the "
+            "teachers, the rest from the public model"
+        )
     print(
         f"ε = {result.epsilon:.3g} at δ = {result.delta:.2g} spent (target {args.epsilon:g}; "
-        f"{result.method}: {result.num_queries} queries of {teachers}); "
-        f"{result.steps_with_output} of {result.tokens_generated} tokens came from the teachers, "
-        f"the rest from the public model; wrote {out}/samples.jsonl and {out}/report.json "
-        f"(publishable) and {out}/{OWNER_REPORT} (exact counts of the data: never publish it)"
+        f"{what}; wrote {out}/samples.jsonl and {out}/report.json (publishable) and "
+        f"{out}/{OWNER_REPORT} (exact counts of the data: never publish it)"
     )
 
 

@@ -7,7 +7,9 @@ Llama-family folders, stored ones, and the text default's tiny GPT-2, trained on
 cached), `chat` (an instruct model's chat template around the teachers' documents),
 `finetuned_teachers` (one LoRA adapter per teacher), `ensemble` (teachers built from documents),
 `registry` (the methods by name: Hot PATE's samplers and the peers, each a
-`pate.method.Method`), `run` (`synthesize`, `synthesize_with` on teachers already built),
+`pate.method.Method`, and DP fine-tuning), `dp_finetuning` (DP-LoRA of the public model, then
+sampling: the generator without teachers), `run` (`synthesize`, `synthesize_with` on teachers
+already built),
 `individual_accounting` (per-unit accounting), `result` (`SynthesisResult`) and `quality`
 (measures of synthetic text: MAUVE, downstream accuracy, vocabulary share, distinct-n).
 """
@@ -16,6 +18,7 @@ from dpmix_jax.pate.hot_pate_method import AGGREGATORS
 from dpmix_jax.synthesis import (
     chat,
     documents,
+    dp_finetuning,
     ensemble,
     finetuned_teachers,
     individual_accounting,
@@ -26,6 +29,7 @@ from dpmix_jax.synthesis import (
     run,
 )
 from dpmix_jax.synthesis.documents import DOCUMENT_SUFFIXES, load_documents, text_default_documents
+from dpmix_jax.synthesis.dp_finetuning import GeneratorTuning
 from dpmix_jax.synthesis.ensemble import TEACHER_KINDS, Ensemble, build_ensemble
 from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
 from dpmix_jax.synthesis.individual_accounting import ACCOUNTINGS, check_individual_accounting
@@ -37,7 +41,7 @@ from dpmix_jax.synthesis.public_models import (
     load_public_model,
     text_default_model,
 )
-from dpmix_jax.synthesis.registry import METHODS, PEER_METHODS, REGISTRY
+from dpmix_jax.synthesis.registry import DP_FINETUNE, GENERATORS, METHODS, PEER_METHODS, REGISTRY
 from dpmix_jax.synthesis.result import SynthesisResult
 from dpmix_jax.synthesis.run import synthesize, synthesize_with
 
@@ -45,12 +49,15 @@ __all__ = [
     "ACCOUNTINGS",
     "AGGREGATORS",
     "DOCUMENT_SUFFIXES",
+    "DP_FINETUNE",
+    "GENERATORS",
     "METHODS",
     "MODEL_NAMES",
     "PEER_METHODS",
     "REGISTRY",
     "TEACHER_KINDS",
     "Ensemble",
+    "GeneratorTuning",
     "PublicTextModel",
     "SynthesisResult",
     "TeacherTuning",
@@ -60,6 +67,7 @@ __all__ = [
     "chat",
     "check_individual_accounting",
     "documents",
+    "dp_finetuning",
     "ensemble",
     "finetuned_teachers",
     "individual_accounting",

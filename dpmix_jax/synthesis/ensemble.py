@@ -35,6 +35,7 @@ __all__ = [
     "Ensemble",
     "build_ensemble",
     "build_unit_ensemble",
+    "prompt_layout",
 ]
 
 TEACHER_KINDS = ("in_context", "fine_tuned")
@@ -305,13 +306,7 @@ def _prepare_documents(
     if not isinstance(separator, str) or not separator:
         raise ValueError(f"separator must be a non-empty string, got {separator!r}")
     tokenizer = model.tokenizer
-    head, prompt_ids, public_context = [], [], [tokenizer.eos_id]
-    if model.chat is not None and teachers == "in_context":
-        layout = model.chat.layout()
-        head = tokenizer.encode(layout.head)
-        prompt_ids = tokenizer.encode(layout.tail)
-        public_context = head
-    prompt_ids = prompt_ids + (tokenizer.encode(prompt) if prompt else [])
+    head, prompt_ids, public_context = prompt_layout(model, prompt, chat=teachers == "in_context")
     separator_ids = tokenizer.encode(separator)
     # Every sample decodes from `prompt_ids` after a teacher's context, so a teacher's cache
     # holds width + len(prompt_ids) + max_new_tokens tokens, at most the model's context.
@@ -348,6 +343,26 @@ def _prepare_documents(
         ids, unit, num_units, encoded, head, prompt_ids, public_context, separator_ids, width,
         budget,
     )  # fmt: skip
+
+
+def prompt_layout(
+    model: public_models.PublicTextModel, prompt: str, *, chat: bool = True
+) -> tuple[list[int], list[int], list[int]]:
+    """The public token layout around a teacher's documents: `(head, prompt_ids,
+    public_context)`. With a chat template (and `chat`), the user turn's head before the
+    documents, its tail and `prompt` after them, and the public model reads the head alone;
+    otherwise no head, `prompt` alone, and the public model reads the end-of-text token.
+
+    Privacy:
+        Public: a function of the model and the public prompt.
+    """
+    tokenizer = model.tokenizer
+    prompt_tokens = tokenizer.encode(prompt) if prompt else []
+    if model.chat is None or not chat:
+        return [], prompt_tokens, [tokenizer.eos_id]
+    layout = model.chat.layout()
+    head = tokenizer.encode(layout.head)
+    return head, tokenizer.encode(layout.tail) + prompt_tokens, head
 
 
 def _assemble_ensemble(

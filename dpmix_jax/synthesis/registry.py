@@ -1,7 +1,8 @@
 """The private text generators `synthesize` runs, by name.
 
-Every entry satisfies `pate.method.Method`. A new peer adds its `METHOD` to `PEERS`;
-`synthesize`, the experiments and `dpmix generate` read the names from here.
+Every entry of `REGISTRY` satisfies `pate.method.Method` (a mechanism over a teacher ensemble). A
+new peer adds its `METHOD` to `PEERS`; `synthesize`, the experiments and `dpmix generate` read the
+names from here. `GENERATORS` adds DP fine-tuning (`dp_finetuning`), which has no teachers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dpmix_jax.pate import hot_pate_method
 from dpmix_jax.pate.method import Method
 from dpmix_jax.pate.peers import amin, invisibleink, pmixed
 
-__all__ = ["HOT_PATE", "METHODS", "PEERS", "PEER_METHODS", "REGISTRY"]
+__all__ = ["DP_FINETUNE", "GENERATORS", "HOT_PATE", "METHODS", "PEERS", "PEER_METHODS", "REGISTRY"]
 
 HOT_PATE: Mapping[str, Method] = types.MappingProxyType(
     {m.name: m for m in (hot_pate_method.COORDINATED, hot_pate_method.INDEPENDENT)}
@@ -30,3 +31,9 @@ REGISTRY: Mapping[str, Method] = types.MappingProxyType({**HOT_PATE, **PEERS})
 
 METHODS = tuple(REGISTRY)
 PEER_METHODS = tuple(PEERS)
+
+DP_FINETUNE = "dp_finetune"
+"""DP-LoRA fine-tuning of the public model, then sampling (`dp_finetuning`)."""
+
+GENERATORS = (*METHODS, DP_FINETUNE)
+"""Every method `synthesize` runs: the teacher-ensemble methods and DP fine-tuning."""

@@ -25,7 +25,7 @@ OWNER_ONLY_NOTE = (
     "outputs of the DP mechanism)"
 )
 # Exact functions of the data: in the owner's report only.
-_OWNER_ONLY = ("num_units", "documents_in_prompts")
+_OWNER_ONLY = ("num_units", "documents_in_prompts", "owner_mechanism")
 # With one teacher per unit (individual accounting) n is the number of units.
 _OWNER_ONLY_PER_UNIT = ("num_teachers", "teacher_forward_passes")
 # Released by smooth sensitivity, at a cost that `epsilon` does not include.
@@ -55,20 +55,28 @@ class SynthesisResult:
         released_epsilons: the per-sample releases (None for the other aggregators).
         aggregator, method: the aggregator and the sampler ("coordinated" or "independent"),
             or a peer method's name twice, or "individual_gaussian" and "individual" with
-            individual accounting (`mechanism` then holds σ, T, η and M).
-        num_teachers, num_units, unit: n, the sensitive units behind them, and their kind
-            ("documents" or "users").
-        documents_in_prompts: documents the teachers read (in their prompts, or fine-tuned on).
-        teachers: the teachers' kind, "in_context" or "fine_tuned".
+            individual accounting (`mechanism` then holds σ, T, η and M), or "dp_sgd" and
+            "dp_finetune" for the DP fine-tuned generator (`dp_finetuning`).
+        num_teachers, num_units, unit: n (None for the DP fine-tuned generator, which has no
+            teachers), the sensitive units behind them, and their kind ("documents" or
+            "users").
+        documents_in_prompts: documents the teachers read (in their prompts, or fine-tuned on;
+            the generator's training documents).
+        teachers: the teachers' kind, "in_context" or "fine_tuned" ("none" for the DP
+            fine-tuned generator).
         context_width: in-context teachers: the public width of a teacher's context, in tokens
             (documents that do not fit it are not read); None for fine-tuned teachers.
         tokens_generated: tokens in all samples (private plus fallback).
         steps_with_output: steps whose token the aggregator released (tokens from the
             teachers).
         steps_without_output: steps where every try failed (fallback token, or the end).
-        num_queries: aggregator calls (steps plus retries), all charged.
+        num_queries: aggregator calls (steps plus retries), all charged; the DP-SGD steps of
+            the DP fine-tuned generator.
         teacher_forward_passes: ensemble queries times n (each teacher ran once per step).
         mechanism: the calibrated parameters (σ1, σ2, T, per-call ε / δ, release λ, β, σ_s).
+        owner_mechanism: calibrated parameters that are functions of the data's size (the DP
+            fine-tuned generator's noise multiplier and sampling rate, from the unit count);
+            in `owner_report` only. None for the other methods.
         allow_large_delta: True when the caller accepted δ >= 1/n.
         seeded: True when the caller gave the key (`privacy.SEEDED_NOTE`).
     """
@@ -85,7 +93,7 @@ class SynthesisResult:
     released_epsilons: tuple[float, ...] | None
     aggregator: str
     method: str
-    num_teachers: int
+    num_teachers: int | None
     num_units: int
     unit: str
     documents_in_prompts: int
@@ -99,6 +107,7 @@ class SynthesisResult:
     mechanism: dict
     allow_large_delta: bool
     seeded: bool
+    owner_mechanism: dict | None = None
 
     @property
     def teacher_token_share(self) -> float:

@@ -13,7 +13,9 @@ teachers by a keyed hash of their id (`pate.partition.teacher_parts`), so one un
 sit in one teacher's prompt and adding or removing a unit changes one teacher's vote per step.
 
 With `accounting="individual"` every unit is its own in-context teacher and each is accounted
-for on its own by a Rényi filter (`individual_accounting`).
+for on its own by a Rényi filter (`individual_accounting`). With `method="dp_finetune"` there are
+no teachers: DP-LoRA fine-tuning of the public model on the documents, then sampling
+(`dp_finetuning`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ import jax
 from dpmix_jax.pate.method import RunSettings
 from dpmix_jax.privacy import validation
 from dpmix_jax.synthesis import public_models
+from dpmix_jax.synthesis.dp_finetuning import GeneratorTuning, synthesize_finetuned
 from dpmix_jax.synthesis.ensemble import Ensemble, build_ensemble, build_unit_ensemble
 from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
 from dpmix_jax.synthesis.individual_accounting import (
     check_individual_accounting,
     synthesize_individual,
 )
-from dpmix_jax.synthesis.registry import METHODS, REGISTRY
+from dpmix_jax.synthesis.registry import DP_FINETUNE, GENERATORS, METHODS, REGISTRY
 from dpmix_jax.synthesis.result import SynthesisResult, sample_fields
 
 __all__ = ["synthesize", "synthesize_with"]
@@ -67,8 +70,10 @@ def synthesize(
     charges_per_teacher: int | None = None,
     context_width: int | None = None,
     allow_large_delta: bool = False,
+    finetuning: GeneratorTuning | None = None,
 ) -> SynthesisResult:
-    """Generates `num_samples` texts privately from `documents` with Hot PATE or a peer.
+    """Generates `num_samples` texts privately from `documents` with Hot PATE, a peer, or DP
+    fine-tuning.
 
     Args:
         documents: records `{"text": str, "user": optional id}`; with `user` the unit is a
@@ -91,7 +96,12 @@ def synthesize(
             teachers: "invisibleink", "amin" or "pmixed", each calibrated by its own analysis
             so that all `num_samples` texts at full length cost at most (ε, δ); `aggregator`,
             `threshold_fraction`, `max_retries`, `public_fallback` and `public_candidates` are
-            Hot PATE's and do not apply to them.
+            Hot PATE's and do not apply to them. Or "dp_finetune": DP-LoRA fine-tuning of the
+            public model on the documents (`finetuning`), then sampling
+            (`dp_finetuning.synthesize_finetuned`); ε is paid once for any number of texts, and
+            the teachers' settings (`num_teachers`, `teachers`, `tuning`, `accounting`,
+            `threshold_fraction`, `max_retries`, `public_candidates`, `context_width`,
+            `charges_per_teacher`) are refused.
         prompt: public text every sample starts from, read after each teacher's documents
             (for a chat model: the start of the assistant's reply).
         key: PRNG key of the partition, the samplers and the noise; None (default) draws secret
@@ -146,6 +156,8 @@ def synthesize(
             prefill costs n · width tokens of the model.
         allow_large_delta: accept δ >= 1/n (refused by default: at that δ the guarantee
             allows publishing a unit in the clear); the result records it.
+        finetuning: `method="dp_finetune"` only: its `dp_finetuning.GeneratorTuning` (None:
+            the defaults).
 
     Returns:
         A `SynthesisResult`.
@@ -171,8 +183,39 @@ def synthesize(
     delta = validation.check_delta(delta)
     validation.check_steps(num_samples, "num_samples")
     validation.check_steps(max_new_tokens, "max_new_tokens")
-    if method not in REGISTRY:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method not in GENERATORS:
+        raise ValueError(f"method must be one of {', '.join(GENERATORS)}, got {method!r}")
+    if method == DP_FINETUNE:
+        _check_no_teacher_settings(
+            num_teachers=num_teachers,
+            teachers=teachers,
+            tuning=tuning,
+            accounting=accounting,
+            threshold_fraction=threshold_fraction,
+            max_retries=max_retries,
+            public_candidates=public_candidates,
+            context_width=context_width,
+            charges_per_teacher=charges_per_teacher,
+        )
+        return synthesize_finetuned(
+            documents,
+            public_models.as_public_model(model),
+            epsilon=epsilon,
+            delta=delta,
+            num_samples=num_samples,
+            prompt=prompt,
+            key=key,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            stop_at_newline=stop_at_newline,
+            separator=separator,
+            batch_size=batch_size,
+            tuning=finetuning,
+            allow_large_delta=allow_large_delta,
+            on_step=None if on_step is None else lambda done, total: on_step(),
+        )
+    if finetuning is not None:
+        raise ValueError('finetuning applies to method="dp_finetune"')
     charges_per_teacher = check_individual_accounting(
         accounting=accounting,
         charges_per_teacher=charges_per_teacher,
@@ -254,6 +297,17 @@ def synthesize(
         allow_large_delta=allow_large_delta,
         seeded=seeded,
     )
+
+
+def _check_no_teacher_settings(**settings: Any) -> None:
+    """Refuses, in one line, a teachers' setting given to the DP fine-tuned generator."""
+    defaults = {"teachers": "in_context", "accounting": "standard", "max_retries": 0}
+    for name, value in settings.items():
+        if value != defaults.get(name):
+            raise ValueError(
+                f'{name} applies to the teacher methods, not to method="{DP_FINETUNE}" (it has '
+                "no teachers)"
+            )
 
 
 def synthesize_with(

@@ -72,10 +72,13 @@ def _owner_report(out) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+FINE_TUNING = ["--method", "dp_finetune", "--finetune-steps", "2", "--finetune-batch-size", "4"]
+
+
 @pytest.mark.parametrize(
     "extra",
-    [["--num-teachers", "4"], ["--accounting", "individual"]],
-    ids=["standard", "individual"],
+    [["--num-teachers", "4"], ["--accounting", "individual"], FINE_TUNING],
+    ids=["standard", "individual", "dp_finetune"],
 )
 def test_a_reader_cannot_tell_40_documents_from_41(tmp_path, blind_model_folder, capsys, extra):
     """The same run on 40 and on 41 documents, where the mechanism's outputs do not depend on
@@ -102,6 +105,46 @@ def test_a_reader_cannot_tell_40_documents_from_41(tmp_path, blind_model_folder,
         assert "num_teachers" not in report and "num_teachers" not in report["settings"]
         assert [owner["num_teachers"] for owner in owners] == [40, 41]
         assert "queries of one teacher per unit" in public[0][0]
+
+
+def test_dp_fine_tuning_reports_its_steps_and_keeps_its_calibration_for_the_owner(
+    tmp_path, model_folder, capsys
+):
+    documents = _write_documents(tmp_path / "docs", 24)
+    out = tmp_path / "out"
+    assert _generate(documents, model_folder, out, *FINE_TUNING) == 0
+    stdout = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "dp_finetune" and report["epsilon"] == 3.0
+    assert report["mechanism"]["steps"] == 2 and report["settings"]["finetune_steps"] == 2
+    assert "owner_mechanism" not in report and report["teacher_token_share"] == 1.0
+    owner = _owner_report(out)["owner_mechanism"]
+    assert owner["sampling_rate"] == pytest.approx(4 / 24) and owner["accountant_epsilon"] <= 3.0
+    assert "dp_finetune: 2 DP-SGD steps of LoRA adapters on the documents" in stdout
+    samples = (out / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([*FINE_TUNING, "--num-teachers", "4"], "argument --num-teachers: applies to the teacher"),
+        ([*FINE_TUNING, "--public-candidates", "8"], "argument --public-candidates: applies to"),
+        ([*FINE_TUNING, "--accounting", "individual"], "argument --accounting: applies to the"),
+        (["--num-teachers", "4", "--finetune-steps", "3"], "argument --finetune-steps: applies to"),
+        ([*FINE_TUNING[:4], "--finetune-batch-size", "0"], "argument --finetune-batch-size"),
+    ],
+)
+def test_options_of_the_other_kind_of_method_are_one_line(
+    tmp_path, model_folder, capsys, extra, message
+):
+    documents = _write_documents(tmp_path / "docs", 24)
+    with pytest.raises(SystemExit) as exit_info:
+        _generate(documents, model_folder, tmp_path / "out", *extra)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "out" / "report.json").exists()
 
 
 def test_the_data_dependent_epsilon_is_not_published_and_the_printed_one_is_the_reports(

@@ -453,5 +453,5 @@ def test_dpmix_generate_offers_the_names_of_the_library(capsys):
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out
     kinds = tuple(kind.replace("_", "-") for kind in synthesis.TEACHER_KINDS)
-    for names in (synthesis.METHODS, synthesis.AGGREGATORS, synthesis.ACCOUNTINGS, kinds):
+    for names in (synthesis.GENERATORS, synthesis.AGGREGATORS, synthesis.ACCOUNTINGS, kinds):
         assert "{" + ",".join(names) + "}" in usage
