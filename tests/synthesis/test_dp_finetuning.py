@@ -151,8 +151,8 @@ def test_bad_settings_are_one_line(llama, overrides, message):  # noqa: F811
     ("settings", "message"),
     [
         ({"steps": 0}, "steps"),
-        ({"learning_rate": -1.0}, "learning_rate must be a number > 0"),
-        ({"clip_norm": float("inf")}, "clip_norm must be finite"),
+        ({"learning_rate": -1.0}, "learning_rate must be a finite number > 0"),
+        ({"clip_norm": float("inf")}, "clip_norm must be a finite number > 0"),
         ({"lora": 4}, "lora must be a LoraConfig"),
     ],
 )
