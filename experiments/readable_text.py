@@ -5,8 +5,10 @@ For each document set the even-numbered documents go to n in-context teachers ov
 model (`synthesis.build_ensemble`, built once and shared by every generator), the odd-numbered
 ones are the real held-out text. Each generator writes `num_samples` texts: the public model
 alone (ε = 0, `pate.peers.reference.generate_public`), the teachers' average distribution with
-no noise (ε = ∞, `generate_nonprivate`), and the private methods through
-`synthesis.synthesize_with`, each calibrated so that its worst case costs at most (ε, δ).
+no noise (ε = ∞, `generate_nonprivate`), the private methods through
+`synthesis.synthesize_with`, each calibrated so that its worst case costs at most (ε, δ), and
+DP fine-tuning (`synthesize(method="dp_finetune")`: DP-LoRA of the public model on the
+teachers' documents, then sampling; no teachers, so its teacher-token count is empty).
 Measured per run: the share of generated words in an English word list
 (`quality.english_vocabulary`), MAUVE against the held-out text on the public model's
 last-token states, distinct-2, the share of tokens that came from the teachers, and the ε the
@@ -54,26 +56,51 @@ def documents(name: str) -> tuple[list[dict], list[str]]:
 
 def run_key(config: configs.ReadableTextConfig, document_set, generator, seed: int) -> str:
     """The stage name of one run: a hash of everything that determines it."""
+    finetuning = None
+    if generator.method == synthesis.DP_FINETUNE:
+        finetuning = [config.finetune_steps, document_set.finetune_batch_size]
+    # The documents' settings apart from DP fine-tuning's batch, which `finetuning` holds.
+    documents_settings = dataclasses.asdict(document_set)
+    del documents_settings["finetune_batch_size"]
     settings = {
         "model": config.model,
-        "document_set": dataclasses.asdict(document_set),
+        "document_set": documents_settings,
         "generator": dataclasses.asdict(generator),
         "num_samples": config.num_samples,
         "max_new_tokens": config.max_new_tokens,
         "delta": config.delta,
         "seed": seed,
+        **({"finetuning": finetuning} if finetuning else {}),
     }
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return f"{document_set.name}-{generator.method}-{digest}"
 
 
-def generate(config, model, ensemble, generator, key) -> dict:
-    """One generator's texts on the shared ensemble, and what they cost.
+def generate(config, model, ensemble, generator, key, *, documents, document_set) -> dict:
+    """One generator's texts on the shared ensemble (DP fine-tuning: on the teachers'
+    `documents`), and what they cost.
 
     Privacy: "nonprivate" reads the teachers without noise (ε = ∞): a reference only.
     """
     start = time.perf_counter()
-    if generator.method in configs.REFERENCES:
+    if generator.method == synthesis.DP_FINETUNE:
+        result = synthesis.synthesize(
+            documents,
+            model,
+            epsilon=generator.epsilon,
+            delta=config.delta,
+            num_samples=config.num_samples,
+            method=generator.method,
+            key=key,
+            max_new_tokens=config.max_new_tokens,
+            finetuning=synthesis.GeneratorTuning(
+                steps=config.finetune_steps, batch_size=document_set.finetune_batch_size
+            ),
+        )
+        texts, marked = list(result.texts), list(result.marked_texts)
+        tokens, teacher_tokens = result.tokens_generated, None
+        epsilon, mechanism = result.epsilon, result.mechanism
+    elif generator.method in configs.REFERENCES:
         settings = dict(
             prompt=ensemble.prompt_ids,
             max_new_tokens=config.max_new_tokens,
@@ -183,7 +210,7 @@ def main(
                         ) from None
                     log(f"{document_set.name} {generator.name}: read back from {stage.name}")
                 else:
-                    if ensemble is None:
+                    if ensemble is None and generator.method != synthesis.DP_FINETUNE:
                         log(f"{document_set.name}: {document_set.num_teachers} teachers")
                         ensemble = synthesis.build_ensemble(
                             teachers_documents,
@@ -194,8 +221,9 @@ def main(
                             context_width=document_set.context_width,
                         )
                     run = generate(
-                        config, model, ensemble, generator, jax.random.fold_in(key, index + 1)
-                    )
+                        config, model, ensemble, generator, jax.random.fold_in(key, index + 1),
+                        documents=teachers_documents, document_set=document_set,
+                    )  # fmt: skip
                     run |= measure(config, run["texts"], heldout, featurize)
                     if stage is not None:
                         stage.parent.mkdir(parents=True, exist_ok=True)
@@ -205,7 +233,7 @@ def main(
                     log(
                         f"{document_set.name} {generator.name}: ε {run['epsilon']:.3g}, "
                         f"English {run['english_share']:.2f}, teacher tokens "
-                        f"{run['teacher_tokens']}/{run['tokens']}, {run['seconds']:.0f} s"
+                        f"{run['teacher_tokens'] or '-'}/{run['tokens']}, {run['seconds']:.0f} s"
                     )
                 rows.append(
                     {
@@ -279,7 +307,9 @@ def markdown(results: dict) -> str:
             if row["document_set"] != name:
                 continue
             share = (
-                "–" if "teacher_tokens" not in row else f"{row['teacher_tokens']}/{row['tokens']}"
+                "–"
+                if row.get("teacher_tokens") is None
+                else f"{row['teacher_tokens']}/{row['tokens']}"
             )
             lines.append(
                 f"| {row['generator']} | {_number(row.get('epsilon'), 3)} | "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from dpmix_jax.privacy import validation
-from dpmix_jax.synthesis import METHODS
+from dpmix_jax.synthesis import GENERATORS
 
 REFERENCES = ("public", "nonprivate")
 DOCUMENT_SETS = ("text_default", "notes")
@@ -28,8 +28,9 @@ class Generator:
     """One generator of the study.
 
     Attributes:
-        method: a reference ("public": ε = 0, "nonprivate": ε = ∞) or a `synthesis.METHODS`
-            name.
+        method: a reference ("public": ε = 0, "nonprivate": ε = ∞) or a `synthesis.GENERATORS`
+            name (the teacher methods, or "dp_finetune": DP-LoRA of the public model on the
+            teachers' documents, then sampling).
         epsilon: the run's target ε (None for the references).
         public_candidates: Hot PATE's c (`synthesize(public_candidates=...)`); None: the whole
             vocabulary.
@@ -44,8 +45,8 @@ class Generator:
             if self.epsilon is not None or self.public_candidates is not None:
                 raise ValueError(f"the {self.method} reference takes no epsilon or candidates")
             return
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(REFERENCES + METHODS)}")
+        if self.method not in GENERATORS:
+            raise ValueError(f"method must be one of {', '.join(REFERENCES + GENERATORS)}")
         validation.check_epsilon(self.epsilon)
         if self.public_candidates is not None:
             validation.check_steps(self.public_candidates, "public_candidates")
@@ -69,18 +70,21 @@ class DocumentSet:
         num_teachers: n.
         context_width: each teacher's public context width in tokens.
         heldout: real held-out documents the samples are measured against (at most).
+        finetune_batch_size: DP fine-tuning's expected documents per step (below their number).
     """
 
     name: str
     num_teachers: int
     context_width: int
     heldout: int
+    finetune_batch_size: int = 8
 
     def __post_init__(self) -> None:
         if self.name not in DOCUMENT_SETS:
             raise ValueError(f"name must be one of {', '.join(DOCUMENT_SETS)}, got {self.name!r}")
         validation.check_steps(self.context_width, "context_width")
         validation.check_steps(self.heldout, "heldout")
+        validation.check_steps(self.finetune_batch_size, "finetune_batch_size")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +98,7 @@ class ReadableTextConfig:
         num_samples: texts per run (MAUVE needs 20 with words in them).
         max_new_tokens: length limit of a text (it ends earlier at a newline).
         delta: δ of every private run.
+        finetune_steps: DP-SGD steps of the "dp_finetune" generators (LoRA rank 8, α = 16).
         seeds: seeds of the partition, the samplers and the noise.
         mauve_seed: seed of MAUVE's PCA and k-means.
         progress: print a line per run.
@@ -101,19 +106,25 @@ class ReadableTextConfig:
 
     model: str = "smollm2"
     document_sets: tuple[DocumentSet, ...] = (
-        DocumentSet(name="text_default", num_teachers=32, context_width=256, heldout=64),
+        DocumentSet(
+            name="text_default", num_teachers=32, context_width=256, heldout=64,
+            finetune_batch_size=16,
+        ),
         DocumentSet(name="notes", num_teachers=8, context_width=128, heldout=20),
-    )
+    )  # fmt: skip
     generators: tuple[Generator, ...] = (
         Generator(method="public"),
         Generator(method="nonprivate"),
         Generator(method="coordinated", epsilon=1.0, public_candidates=16),
         Generator(method="coordinated", epsilon=10.0, public_candidates=16),
         Generator(method="coordinated", epsilon=10.0),
+        Generator(method="dp_finetune", epsilon=1.0),
+        Generator(method="dp_finetune", epsilon=10.0),
     )
     num_samples: int = 24
     max_new_tokens: int = 24
     delta: float = 1e-5
+    finetune_steps: int = 30
     seeds: tuple[int, ...] = (0,)
     mauve_seed: int = 0
     progress: bool = True
@@ -122,6 +133,7 @@ class ReadableTextConfig:
         validation.check_steps(self.num_samples, "num_samples")
         validation.check_steps(self.max_new_tokens, "max_new_tokens")
         validation.check_delta(self.delta)
+        validation.check_steps(self.finetune_steps, "finetune_steps")
 
 
 PRESETS = {

@@ -82,6 +82,31 @@ def test_a_resumed_study_reads_finished_runs_back_and_a_new_setting_runs_anew(
         readable_text.main(changed, tmp_path, reproducible=True)
 
 
+def test_dp_fine_tuning_runs_on_the_teachers_documents_without_teachers(
+    tmp_path, model_folder, monkeypatch
+):
+    generator = configs.Generator(method="dp_finetune", epsilon=5.0)
+    config = tiny_config(model_folder, generators=(generator,), finetune_steps=2)
+    seen = []
+    original = synthesis.synthesize
+
+    def record(documents, *args, **kwargs):
+        seen.append((len(documents), kwargs["finetuning"]))
+        return original(documents, *args, **kwargs)
+
+    monkeypatch.setattr(synthesis, "synthesize", record)
+    monkeypatch.setattr(synthesis, "build_ensemble", lambda *a, **k: pytest.fail("no teachers"))
+    results = readable_text.main(config, tmp_path, reproducible=True)
+    row = next(r for r in results["rows"] if r["generator"] == "dp_finetune (ε = 5)")
+    assert row["epsilon"] == 5.0 and row["teacher_tokens"] is None and row["tokens"] > 0
+    teachers_documents, _ = readable_text.documents("notes")
+    assert seen == [(len(teachers_documents), synthesis.GeneratorTuning(steps=2, batch_size=8))]
+    assert "| dp_finetune (ε = 5) | 5.000 |" in (tmp_path / "results.md").read_text()
+    more_steps = dataclasses.replace(config, finetune_steps=3)
+    readable_text.main(more_steps, tmp_path, reproducible=True)
+    assert len(seen) == 2  # another number of steps is another run
+
+
 def test_a_generator_is_validated_on_construction():
     with pytest.raises(ValueError, match="takes no epsilon"):
         configs.Generator(method="public", epsilon=1.0)
