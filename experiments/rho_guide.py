@@ -119,7 +119,7 @@ def main(
                     epsilon=epsilon,
                     delta=config.delta,
                     steps=config.steps,
-                    batch_size=min(config.batch_size, n // 2),
+                    batch_size=max(1, round(config.batch_fraction * n)),
                     clip_norm=clip_norm,
                     learning_rate=learning_rate,
                     seed=seed if reproducible else randomness.secret_seed(),
@@ -255,8 +255,9 @@ def markdown(config: configs.RhoGuideConfig, results: dict) -> str:
     lines.append("")
     lines.append(
         f"DP-MixMin: mirror descent, C = {results['clip_norm']:.2f} (public stand-in),"
-        f" η = {results['learning_rate']:.3f}, T = {config.steps}, b = min({config.batch_size},"
-        f" n/2), δ = {config.delta:g}; every ε from the accountant for what ran."
+        f" η = {results['learning_rate']:.3f}, T = {config.steps}, expected batch"
+        f" {config.batch_fraction:g}·n, δ = {config.delta:g}; every ε from the accountant for"
+        " what ran."
         f" {SEEDED_NOTE if results['noise_seeded'] else 'DP noise and sampling secret.'}"
     )
     return "\n".join(lines)
