@@ -537,3 +537,23 @@ def test_the_public_candidates_make_private_text_read_but_carry_little_vote():
         )
     notes_mauve = row("notes", "coordinated (ε = 10, top 16)")["mauve"]
     assert notes_mauve > 10 * row("notes", "coordinated (ε = 10)")["mauve"]
+
+
+def test_dp_fine_tuning_writes_english_once_paid_but_does_not_reach_the_documents_at_this_scale():
+    # docs/generate.md, DP fine-tuning as a generator: 30 DP-LoRA steps keep SmolLM2's English
+    # (within 0.1 of the public model's share on both sets), the reader sees the target ε, and on
+    # the notes MAUVE stays at or below the public model's (the text does not move toward the
+    # documents) while the teachers' average at ε = ∞ is above both.
+    results = stored("readable_text")
+    rows = {(r["document_set"], r["generator"]): r for r in results["rows"]}
+    for document_set in ("text_default", "notes"):
+        public = rows[document_set, "public"]
+        for epsilon in (1, 10):
+            tuned = rows[document_set, f"dp_finetune (ε = {epsilon})"]
+            assert tuned["english_share"] > public["english_share"] - 0.1
+            assert tuned["epsilon"] == epsilon and tuned["teacher_tokens"] is None
+            assert tuned["tokens"] > 0
+    public_mauve = rows["notes", "public"]["mauve"]
+    for epsilon in (1, 10):
+        assert rows["notes", f"dp_finetune (ε = {epsilon})"]["mauve"] <= public_mauve
+    assert rows["notes", "nonprivate"]["mauve"] > public_mauve
