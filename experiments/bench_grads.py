@@ -1016,7 +1016,7 @@ def _options(parser) -> None:
         metavar="MODULE:FACTORY",
         help="time your own model instead of the preset's: FACTORY() in MODULE returns a "
         "dpmix_jax.bench.Target (model factory, per-example loss, batch, methods); the "
-        "preset gives the warm-up, rounds and steps per round",
+        "preset gives the warm-up, rounds and steps per round (default: the preset's models)",
     )
 
 

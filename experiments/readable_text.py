@@ -83,15 +83,18 @@ def generate(config, model, ensemble, generator, key, *, documents, document_set
     Privacy: "nonprivate" reads the teachers without noise (ε = ∞): a reference only.
     """
     start = time.perf_counter()
+    private = dict(
+        epsilon=generator.epsilon,
+        delta=config.delta,
+        num_samples=config.num_samples,
+        method=generator.method,
+        key=key,
+    )
     if generator.method == synthesis.DP_FINETUNE:
         result = synthesis.synthesize(
             documents,
             model,
-            epsilon=generator.epsilon,
-            delta=config.delta,
-            num_samples=config.num_samples,
-            method=generator.method,
-            key=key,
+            **private,
             max_new_tokens=config.max_new_tokens,
             finetuning=synthesis.GeneratorTuning(
                 steps=config.finetune_steps, batch_size=document_set.finetune_batch_size
@@ -122,14 +125,7 @@ def generate(config, model, ensemble, generator, key, *, documents, document_set
         marked, mechanism = texts, {}
     else:
         result = synthesis.synthesize_with(
-            ensemble,
-            model,
-            epsilon=generator.epsilon,
-            delta=config.delta,
-            num_samples=config.num_samples,
-            method=generator.method,
-            key=key,
-            public_candidates=generator.public_candidates,
+            ensemble, model, **private, public_candidates=generator.public_candidates
         )
         texts, marked = list(result.texts), list(result.marked_texts)
         tokens, teacher_tokens = result.tokens_generated, result.steps_with_output
