@@ -451,6 +451,15 @@ def _run_generate(args: argparse.Namespace) -> int:
         )
         bar.total = bar.n  # samples that ended early leave steps unrun
         bar.refresh()
+    truncated = (result.owner_mechanism or {}).get("documents_truncated")
+    if truncated or (truncated == 0 and not args.quiet):  # never silently
+        print(
+            f"[generate] {truncated} of {len(documents)} documents are longer than "
+            f"--max-new-tokens {args.max_new_tokens} (separator included) and were trained on "
+            "their beginning only (exact count: for you, not for publication)",
+            file=sys.stderr,
+            flush=True,
+        )
     unread = len(documents) - result.documents_in_prompts
     if result.context_width is not None and (unread or not args.quiet):  # never silently
         print(
@@ -478,9 +487,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The settings of the teacher methods, and those of DP fine-tuning (each dropped from the other's
+# report).
+_TEACHER_SETTINGS = (
+    "aggregator", "public_candidates", "num_teachers", "context_width", "teachers",
+    "tuning_steps", "accounting", "charges_per_teacher",
+)  # fmt: skip
+_FINETUNE_SETTINGS = ("finetune_steps", "finetune_batch_size")
+
+
 def _public_settings(args: argparse.Namespace, documents_source: str, model_source: str) -> dict:
     """The command line's settings a reader may see: all but the seed (publishing it would
-    publish the noise) and, with one teacher per unit (`--accounting individual`), n.
+    publish the noise), n with one teacher per unit (`--accounting individual`), and the
+    settings of the other kind of method (the teachers' for DP fine-tuning, its own for the
+    others).
 
     Privacy:
         Public: settings fixed without looking at the data.
@@ -508,7 +528,11 @@ def _public_settings(args: argparse.Namespace, documents_source: str, model_sour
     }
     if args.accounting == "individual":  # n is then the number of units
         del settings["num_teachers"]
-    return settings
+    from dpmix_jax.synthesis.registry import DP_FINETUNE
+
+    # DP fine-tuning has no teachers: their settings in its report would be false words.
+    dropped = _TEACHER_SETTINGS if args.method == DP_FINETUNE else _FINETUNE_SETTINGS
+    return {name: value for name, value in settings.items() if name not in dropped}
 
 
 def _write_outputs(

@@ -83,9 +83,26 @@ class LanguageModelSpec:
         return digest.hexdigest()
 
 
-@functools.cache
+def _file_stamp(name: str) -> tuple:
+    """The paths, sizes and modification times of the files behind `name` (none for a model
+    name such as "smollm2", whose file is sha256-checked on loading): a file that changed
+    under the same name is loaded and digested again."""
+    path = pathlib.Path(name)
+    if not path.exists():
+        return ()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
 def _public_model(name: str) -> PublicTextModel:
-    """The public model `name`, loaded once per process (SmolLM2 takes seconds)."""
+    """The public model `name`, loaded once per process while its files stay the same
+    (SmolLM2 takes seconds)."""
+    return _loaded(name, _file_stamp(name))
+
+
+@functools.cache
+def _loaded(name: str, stamp: tuple) -> PublicTextModel:
+    del stamp  # part of the cache key only
     from dpmix_jax.synthesis.public_models import load_public_model
 
     return load_public_model(name)
@@ -155,12 +172,12 @@ class PretrainedModelSpec:
     def identity(self) -> str:
         """SHA-256 (hex) of the model's parameters and tokenizer: the stored stages of a name
         whose file or folder changed are not read back."""
-        return _weights_digest(self.name)
+        return _weights_digest(self.name, _file_stamp(self.name))
 
 
 @functools.cache
-def _weights_digest(name: str) -> str:
-    public = _public_model(name)
+def _weights_digest(name: str, stamp: tuple) -> str:
+    public = _loaded(name, stamp)
     digest = hashlib.sha256(public.tokenizer.to_str().encode())
     params = nnx.state(public.model, nnx.Param)
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:

@@ -171,7 +171,8 @@ def synthesize_finetuned(
         key: PRNG key of the noise, the Poisson sampler and the sampling; None (default) draws
             secret randomness.
         max_new_tokens: the longest sample, and the document tokens (separator included) a
-            training row holds: longer documents train on their beginning.
+            training row holds: longer documents train on their beginning (their number is
+            `owner_mechanism["documents_truncated"]`, an exact count for the owner only).
         temperature: the sampling temperature.
         stop_at_newline: a sample ends at a token holding a newline (else at EOS or the limit).
         separator: what ends a document in its training row ("\\n" teaches a line per text).
@@ -237,9 +238,9 @@ def synthesize_finetuned(
             f"the prompt's {len(context)} tokens and max_new_tokens = {max_new_tokens} exceed "
             f"the model's {positions} positions"
         )
-    rows = _training_rows(
-        tokenizer.encode_batch(texts), context, tokenizer.encode(separator), max_new_tokens
-    )
+    encoded, end = tokenizer.encode_batch(texts), tokenizer.encode(separator)
+    rows = _training_rows(encoded, context, end, max_new_tokens)
+    truncated = sum(len(ids) + len(end) > max_new_tokens for ids in encoded)
     data = IndexedData(
         gather=_gather(rows),
         num_examples=len(texts),
@@ -247,10 +248,10 @@ def synthesize_finetuned(
     )
 
     seeded = key is not None
-    noise_key = sampler_rng = sample_key = None
-    if seeded:
-        noise_key, sample_key = jax.random.split(key)
-        sampler_rng = np.random.default_rng(np.asarray(jax.random.key_data(noise_key)))
+    noise_key = sampler_rng = None
+    if seeded:  # three independent streams: noise, Poisson sampling, decoding
+        noise_key, sampler_key, sample_key = jax.random.split(key, 3)
+        sampler_rng = np.random.default_rng(np.asarray(jax.random.key_data(sampler_key)))
     else:
         sample_key = randomness.fresh_secret_key()
     config = TrainConfig(
@@ -288,20 +289,23 @@ def synthesize_finetuned(
 
     stops = frozenset(public_models.newline_tokens(tokenizer))
     samples = []
-    context_ids = jnp.asarray([context], jnp.int32)
-    for start in range(0, num_samples, batch_size):
-        count = min(batch_size, num_samples - start)
+    # Every chunk decodes the same number of rows (one compiled program); the last one's extra
+    # rows are dropped.
+    rows_per_chunk = min(batch_size, num_samples)
+    prompts = jnp.repeat(jnp.asarray([context], jnp.int32), rows_per_chunk, axis=0)
+    for start in range(0, num_samples, rows_per_chunk):
+        count = min(rows_per_chunk, num_samples - start)
         sample_key, chunk_key = jax.random.split(sample_key)
         decoded = generate(
             generator,
-            jnp.repeat(context_ids, count, axis=0),
+            prompts,
             max_new_tokens=max_new_tokens,
             key=chunk_key,
             temperature=float(temperature),
         )
         samples.extend(
             _cut(row, eos_id=tokenizer.eos_id, stops=stops, stop_at_newline=stop_at_newline)
-            for row in np.asarray(decoded)
+            for row in np.asarray(decoded)[:count]
         )
     # A sample that ended at EOS is counted with it and written without it, as `sample_fields`.
     kept = [len(x.tokens) - (x.stop_reason == "eos") for x in samples]
@@ -350,6 +354,7 @@ def synthesize_finetuned(
             "noise_multiplier": plan.noise_multiplier,
             "sampling_rate": plan.sampling_rate,
             "accountant_epsilon": spent.epsilon,
+            "documents_truncated": truncated,
         },
         allow_large_delta=allow_large_delta,
         seeded=seeded,

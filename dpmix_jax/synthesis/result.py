@@ -68,15 +68,16 @@ class SynthesisResult:
             (documents that do not fit it are not read); None for fine-tuned teachers.
         tokens_generated: tokens in all samples (private plus fallback).
         steps_with_output: steps whose token the aggregator released (tokens from the
-            teachers).
+            teachers); every token for the DP fine-tuned generator, all from its private model.
         steps_without_output: steps where every try failed (fallback token, or the end).
         num_queries: aggregator calls (steps plus retries), all charged; the DP-SGD steps of
             the DP fine-tuned generator.
         teacher_forward_passes: ensemble queries times n (each teacher ran once per step).
         mechanism: the calibrated parameters (σ1, σ2, T, per-call ε / δ, release λ, β, σ_s).
-        owner_mechanism: calibrated parameters that are functions of the data's size (the DP
-            fine-tuned generator's noise multiplier and sampling rate, from the unit count);
-            in `owner_report` only. None for the other methods.
+        owner_mechanism: what depends on the data's size for the DP fine-tuned generator (its
+            noise multiplier and sampling rate, from the unit count, the accountant's exact ε,
+            the documents cut to the row length); in `owner_report` only. None for the other
+            methods.
         allow_large_delta: True when the caller accepted δ >= 1/n.
         seeded: True when the caller gave the key (`privacy.SEEDED_NOTE`).
     """
@@ -110,13 +111,16 @@ class SynthesisResult:
     owner_mechanism: dict | None = None
 
     @property
-    def teacher_token_share(self) -> float:
+    def teacher_token_share(self) -> float | None:
         """The share of the samples' tokens that came from the teachers (the rest came from
-        the public model); 0 when no token was generated.
+        the public model); 0 when no token was generated, None for a generator without
+        teachers (DP fine-tuning).
 
         Privacy:
             An output of the DP mechanism (the marked texts show every token's source).
         """
+        if self.num_teachers is None:
+            return None
         return self.steps_with_output / self.tokens_generated if self.tokens_generated else 0.0
 
     def public_report(self) -> dict:

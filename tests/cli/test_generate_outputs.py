@@ -113,11 +113,18 @@ def test_dp_fine_tuning_reports_its_steps_and_keeps_its_calibration_for_the_owne
     documents = _write_documents(tmp_path / "docs", 24)
     out = tmp_path / "out"
     assert _generate(documents, model_folder, out, *FINE_TUNING) == 0
-    stdout = capsys.readouterr().out
+    captured = capsys.readouterr()
+    stdout = captured.out
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "dp_finetune" and report["epsilon"] == 3.0
+    # Every note is longer than 3 tokens: counted on the owner's terminal, not dropped silently.
+    assert "24 of 24 documents are longer than --max-new-tokens 3" in captured.err
+    assert _owner_report(out)["owner_mechanism"]["documents_truncated"] == 24
+    assert "documents_truncated" not in json.dumps(report)
     assert report["mechanism"]["steps"] == 2 and report["settings"]["finetune_steps"] == 2
-    assert "owner_mechanism" not in report and report["teacher_token_share"] == 1.0
+    assert "owner_mechanism" not in report and report["teacher_token_share"] is None
+    teachers_only = {"aggregator", "public_candidates", "num_teachers", "teachers", "accounting"}
+    assert teachers_only.isdisjoint(report["settings"])  # it has none of them
     owner = _owner_report(out)["owner_mechanism"]
     assert owner["sampling_rate"] == pytest.approx(4 / 24) and owner["accountant_epsilon"] <= 3.0
     assert "dp_finetune: 2 DP-SGD steps of LoRA adapters on the documents" in stdout
@@ -174,6 +181,7 @@ def test_the_teachers_share_of_the_tokens_is_printed_and_stored(tmp_path, model_
     report = json.loads((out / "report.json").read_text())
     teacher, total = report["steps_with_output"], report["tokens_generated"]
     assert total > 0 and report["teacher_token_share"] == teacher / total
+    assert "finetune_steps" not in report["settings"]  # DP fine-tuning's, not this method's
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     marked = "".join(sample["marked_text"] for sample in samples)
     assert marked.count("[") <= total - teacher  # the public model's tokens, marked

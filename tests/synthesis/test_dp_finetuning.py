@@ -47,7 +47,8 @@ def test_epsilon_is_the_pld_accountant_of_the_steps_that_ran(llama):  # noqa: F8
     assert spent == pytest.approx(direct.get_epsilon(1e-3), rel=1e-3)
     assert 1.9 < spent <= 2.0 + 1e-9  # calibrated to the target
     assert result.epsilon == 2.0  # what a reader sees: the target, which the accountant's bounds
-    assert result.num_queries == FAST.steps and result.teacher_token_share == 1.0
+    assert result.num_queries == FAST.steps and result.teacher_token_share is None
+    assert result.public_report()["teacher_token_share"] is None  # no teachers to have a share
 
 
 def test_the_public_report_holds_no_exact_count(llama):  # noqa: F811
@@ -123,6 +124,26 @@ def test_a_key_reproduces_the_texts_and_another_changes_them(llama):  # noqa: F8
     first, again = _run(llama), _run(llama)
     assert first.texts == again.texts and first.seeded
     assert _run(llama, key=jax.random.key(1)).texts != first.texts
+
+
+def test_samples_are_decoded_in_equal_chunks_and_cut_documents_counted(llama):  # noqa: F811
+    calls = []
+    original = dp_finetuning.generate
+
+    def record(model, prompts, **kwargs):
+        calls.append(prompts.shape)
+        return original(model, prompts, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dp_finetuning, "generate", record)
+        result = _run(llama, num_samples=5, batch_size=2, max_new_tokens=6)
+    assert len(result.texts) == len(result.stop_reasons) == 5
+    assert len(calls) == 3 and len(set(calls)) == 1  # one shape: one compiled program
+    encoded = llama.tokenizer.encode_batch([d["text"] for d in DOCUMENTS])
+    end = llama.tokenizer.encode("\n")
+    cut = sum(len(ids) + len(end) > 6 for ids in encoded)
+    assert cut > 0 and result.owner_mechanism["documents_truncated"] == cut
+    assert "owner_mechanism" not in result.public_report()
 
 
 @pytest.mark.parametrize(
