@@ -562,7 +562,9 @@ def _write_outputs(
     _write_owner_only(out / OWNER_REPORT, json.dumps({**result.owner_report(), **owner}, indent=1))
     for marked in result.marked_texts:
         print(repr(marked))
-    if result.num_teachers is None:  # DP fine-tuning
+    spent = f"ε = {result.epsilon:.3g}"
+    if result.num_teachers is None:  # DP fine-tuning: the target bounds the accountant's ε
+        spent = f"ε <= {result.epsilon:.3g}"
         what = (
             f"{result.method}: {result.num_queries} DP-SGD steps of LoRA adapters on the "
             f"documents); all {result.tokens_generated} tokens came from the fine-tuned model"
@@ -579,7 +581,7 @@ def _write_outputs(
             "teachers, the rest from the public model"
         )
     print(
-        f"ε = {result.epsilon:.3g} at δ = {result.delta:.2g} spent (target {args.epsilon:g}; "
+        f"{spent} at δ = {result.delta:.2g} spent (target {args.epsilon:g}; "
         f"{what}; wrote {out}/samples.jsonl and {out}/report.json (publishable) and "
         f"{out}/{OWNER_REPORT} (exact counts of the data: never publish it)"
     )

@@ -128,6 +128,7 @@ def test_dp_fine_tuning_reports_its_steps_and_keeps_its_calibration_for_the_owne
     owner = _owner_report(out)["owner_mechanism"]
     assert owner["sampling_rate"] == pytest.approx(4 / 24) and owner["accountant_epsilon"] <= 3.0
     assert "dp_finetune: 2 DP-SGD steps of LoRA adapters on the documents" in stdout
+    assert stdout.splitlines()[-1].startswith("ε <= 3 at δ = 1e-05 spent (target 3;")
     samples = (out / "samples.jsonl").read_text().splitlines()
     assert len(samples) == 2
 
