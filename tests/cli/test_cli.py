@@ -132,6 +132,7 @@ ONE_SEED = {
     "discrete_noise",
     "hot_pate",
     "hot_pate_ablations",
+    "hot_pate_scaling",
 }  # one run, from the config's `seed`
 NO_SEEDS = {"bench_grads"}  # fixed keys: a timing benchmark, no repetitions, nothing private
 NOT_REPRODUCIBLE = {"audit", "bench_grads"}  # their randomness is always seeded

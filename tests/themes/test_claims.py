@@ -477,6 +477,25 @@ def test_coordinated_sampling_transfers_the_natural_tasks_diversity():
     assert hot["max_passing_threshold"]["1"] > 4 * cold["max_passing_threshold"]["1"]
 
 
+def test_queries_within_a_budget_grow_about_quadratically_with_the_teachers():
+    # The paper (Hot PATE): under DP composition the queries one budget answers grow about
+    # quadratically with the number of teachers. Ours (docs/experiments.md, Hot PATE scaling,
+    # n = 16 to 2048, ε = 10): coordinated sampling keeps its threshold near n, so the Gaussian
+    # release's calls grow as n^2.00 and DPWS's reach a local slope of 1.97-2.00 at the largest
+    # n; at k = 20 independent sampling's threshold is near n/k and it answers 305 times fewer
+    # DPWS calls at n = 2048.
+    results = stored("hot_pate_scaling")
+    largest = max(results["config"]["teacher_counts"])
+    fits = {(f["k"], f["sampler"]): f for f in results["queries"]["fits"]}
+    rows = {(r["k"], r["n"], r["sampler"]): r for r in results["queries"]["rows"]}
+    for k in results["config"]["set_sizes"]:
+        hot = fits[k, "coordinated"]
+        assert abs(hot["gaussian"]["slope"] - 2) < 0.1 and hot["dpws"]["slope_top"] > 1.9
+    hot, cold = rows[20, largest, "coordinated"], rows[20, largest, "independent"]
+    assert hot["dpws"]["calls"] > 100 * cold["dpws"]["calls"]
+    assert fits[20, "independent"]["dpws"]["slope"] < fits[20, "coordinated"]["dpws"]["slope"]
+
+
 @pytest.mark.parametrize("name", ["enron_rho", "openwebmath"])
 def test_stored_rho_pages_are_their_json_through_the_current_writer(name):
     """The ρ table and the per-ρ tables of a stored text run are `experiments.enron`'s writer
