@@ -184,7 +184,7 @@ def _trainer_runner(
     )  # fmt: skip
     state = {"state": trainer.init_state()}
     indices, unit_mask = np.arange(batch_size), np.ones(batch_size, bool)
-    jitted = trainer._step_fn if private else trainer._public_fn
+    jitted = trainer.jitted_step(state["state"])
     memory = None
     if settings.memory_analysis:
         args = (trainer.frozen, trainer.rest, jax.tree.map(jnp.asarray, dict(batch)))

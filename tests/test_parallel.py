@@ -1,4 +1,5 @@
-"""The device mesh: 8 simulated CPU devices give the same private update as one device."""
+"""The device mesh: 8 simulated CPU devices give the same updates as one device, and the
+compiled steps keep the FSDP placement without gathering full parameters."""
 
 import json
 import os
@@ -48,11 +49,27 @@ def test_private_step_on_8_devices_matches_1_device():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert set(report) == {"resnet_data8", "gpt2_data4_model2"}
+    programs = report.pop("programs")
+    assert set(report) == {
+        "resnet_data8",
+        "gpt2_data4_model2",
+        "gpt2_data4_model2_unchunked",
+        "gpt2_data4_model2_public",
+    }
     for case in report.values():
         assert case["moved"] > 1e-4  # the step really changed the parameters
         assert case["max_diff"] < 1e-5  # same batch, same noise, same update
-    assert report["gpt2_data4_model2"]["sharded"]  # FSDP really split parameters
+    assert all(report[name]["sharded"] for name in report if name.startswith("gpt2"))
+    # The compiled steps declare their shardings: the state comes back placed as it went in
+    # (FSDP-sharded parameters and Adam moments), donated, with at most one gather of a full
+    # parameter per sharded parameter; a step returning replicated parameters gathers each of
+    # them and their moments (the control shows the count catches it).
+    for step in ("private", "public"):
+        program = programs[step]
+        assert program["sharded_parameters"] >= 4
+        assert program["outputs_keep_placement"] and program["donated"]
+        assert program["full_parameter_gathers"] <= program["sharded_parameters"]
+        assert program["control_full_parameter_gathers"] >= 3 * program["sharded_parameters"]
 
 
 def test_mesh_flag_parsing_and_the_active_mesh_reaches_the_trainer():

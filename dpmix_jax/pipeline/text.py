@@ -423,6 +423,7 @@ class TextPipeline(MixturePipeline):
         if checkpointer.latest_step() != trainer.config.steps:
             self._on_stage(stage)
         _, params, _, _ = split_model(model)
+        params = jax.tree.map(jnp.copy, params)  # fit consumes its state; `model` keeps its own
         start = TrainState(jnp.zeros((), jnp.int32), params, trainer.optimizer.init(params))
         rng = np.random.default_rng(derived_seed(seed, directory.name))
         result = fit(

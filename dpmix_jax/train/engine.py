@@ -21,6 +21,7 @@ API:
     TrainState(step, params, opt_state)                     the pytree that is checkpointed
     Trainer(config, model, loss_fn, *, trainable_mask=None, num_units=None, noise_key=None,
             mesh=None)                                      jitted steps for one model and loss
+    Trainer.jitted_step(state)                              one whole jitted step (benchmarks)
     fit(trainer, data, *, rng=None, state=None, ledger=None, checkpointer=None, evaluate=None,
         logger=None, until=None, on_step=None) -> FitResult
     MetricLogger(path=None)                                 JSON-lines metrics (+ TensorBoard)
@@ -192,11 +193,11 @@ class TrainState:
 
 
 def check_live(state: TrainState) -> None:
-    """Refuses a state that an earlier private step consumed (its buffers donated to the state
-    it returned), with one line saying what to pass instead."""
+    """Refuses a state that an earlier step consumed (its buffers donated to the state it
+    returned), with one line saying what to pass instead."""
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
         raise ValueError(
-            "this TrainState was consumed by an earlier private step: its buffers now belong to "
+            "this TrainState was consumed by an earlier step: its buffers now belong to "
             "the state that step returned. Pass that state (fit returns it as "
             "FitResult.state), or trainer.init_state() to start again from the initial "
             "parameters."
@@ -214,6 +215,24 @@ def _pad_rows(rows: np.ndarray, multiple: int) -> np.ndarray:
 def _all_finite(tree: PyTree) -> jax.Array:
     """Whether every element of `tree` is finite: one bool scalar (traced inside the steps)."""
     return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SumSteps:
+    """The jitted pieces of a chunked clipped sum (see `Trainer._jit_sum_steps`)."""
+
+    chunk_sum: Callable
+    zeros: Callable
+    rounded: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class _StateSteps:
+    """The jitted steps that replace a state (see `Trainer._jit_state_steps`)."""
+
+    apply: Callable
+    fused: Callable
+    public: Callable
 
 
 class Trainer:
@@ -307,15 +326,8 @@ class Trainer:
             self.optimizer = make_optimizer(config)
         self._noise_key_given = noise_key is not None
         self._noise_key_used = False
-        self._chunk_fn = jax.jit(self._chunk_sum)
-        # One dispatch for the accumulator, not one per parameter (it matters for small steps).
-        self._zeros_fn = jax.jit(summation.wide_zeros)
-        self._round_fn = jax.jit(summation.rounded)
-        self._apply_fn = jax.jit(self._apply, donate_argnums=0)
-        # Without chunking a private step is this one call: clipped sum, noise and update, the
-        # old state's buffers reused for the new one.
-        self._step_fn = jax.jit(self._fused_step, donate_argnums=0)
-        self._public_fn = jax.jit(self._public_step)
+        self._sum_jitted: _SumSteps | None = None
+        self._state_jitted: _StateSteps | None = None
 
     # ---------------------------------------------------------------- placement and state
     def _place(self, tree: PyTree) -> PyTree:
@@ -328,11 +340,97 @@ class Trainer:
             return jax.tree.map(jnp.asarray, batch)
         return parallel.shard_batch(batch, self.mesh)
 
+    def _sum_steps(self, params: PyTree) -> _SumSteps:
+        """The jitted pieces of a chunked clipped sum, built at the first call."""
+        if self._sum_jitted is None:
+            self._sum_jitted = self._jit_sum_steps(params)
+        return self._sum_jitted
+
+    def _steps(self, state: TrainState) -> _StateSteps:
+        """The jitted steps on a state, built at the first call from its structure."""
+        if self._state_jitted is None:
+            self._state_jitted = self._jit_state_steps(state)
+        return self._state_jitted
+
+    def _jit(self, fn: Callable, ins: Any, outs: Any, donate: tuple[int, ...] = ()) -> Callable:
+        """`fn` jitted, donating the arguments `donate` (the state or accumulator it replaces).
+
+        On a mesh with declared input and output shardings: the state (step, parameters,
+        optimizer and noise state), the frozen parameters and the accumulators keep
+        `parallel.tree_sharding`'s FSDP placement, which depends on shapes only, so a step
+        returns its state placed as it was given and gathers no parameter in full beyond the
+        forward and backward passes' use; batch rows are split over the data axis, scalars
+        replicated. Without a mesh the shardings are those of the arguments.
+        """
+        if self.mesh is None:
+            return jax.jit(fn, donate_argnums=donate)
+        return jax.jit(fn, in_shardings=ins, out_shardings=outs, donate_argnums=donate)
+
+    def _shardings(self, tree: PyTree) -> PyTree:
+        """The FSDP placement of `tree`'s leaves on the mesh (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        return parallel.tree_sharding(tree, self.mesh, min_size=self._min_shard)
+
+    def _rows_and_scalar(self) -> tuple[Any, Any]:
+        """Batch rows split over the data axis and replicated scalars (None without a mesh)."""
+        if self.mesh is None:
+            return None, None
+        scalar = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return parallel.batch_sharding(self.mesh), scalar
+
+    def _jit_sum_steps(self, params: PyTree) -> _SumSteps:
+        params_sh, frozen_sh, rest_sh = map(self._shardings, (params, self.frozen, self.rest))
+        rows, scalar = self._rows_and_scalar()
+        acc_sh = (params_sh, scalar)
+        chunk_ins = (params_sh, frozen_sh, rest_sh, acc_sh, rows, rows, scalar, scalar)
+        return _SumSteps(
+            chunk_sum=self._jit(self._chunk_sum, chunk_ins, acc_sh, donate=(3,)),
+            # One dispatch for the accumulator, not one per parameter (it matters for small
+            # steps).
+            zeros=self._jit(summation.wide_zeros, (params_sh,), params_sh),
+            rounded=self._jit(summation.rounded, (params_sh, params_sh), params_sh),
+        )
+
+    def _jit_state_steps(self, state: TrainState) -> _StateSteps:
+        state_sh, frozen_sh, rest_sh = map(self._shardings, (state, self.frozen, self.rest))
+        params_sh = None if state_sh is None else state_sh.params
+        rows, scalar = self._rows_and_scalar()
+        return _StateSteps(
+            apply=self._jit(
+                self._apply, (state_sh, params_sh, scalar), (state_sh, scalar), donate=(0,)
+            ),
+            # Without chunking a private step is this one call: clipped sum, noise and update.
+            fused=self._jit(
+                self._fused_step,
+                (state_sh, frozen_sh, rest_sh, rows, rows),
+                (state_sh, scalar),
+                donate=(0,),
+            ),
+            public=self._jit(
+                self._public_step,
+                (state_sh, frozen_sh, rest_sh, rows),
+                (state_sh, scalar, scalar),
+                donate=(0,),
+            ),
+        )
+
+    def jitted_step(self, state: TrainState) -> Callable:
+        """The jitted function of one whole step on `state`'s structure, for benchmarks.
+
+        Private: `(state, frozen, rest, batch, mask) -> (state, all_finite)`, the unchunked
+        step (clipped sum, noise and update); public: `(state, frozen, rest, batch) -> (state,
+        all_finite, loss)`. Both donate `state`. Its `lower(...)` gives the compiled program
+        (memory, HLO) and `_cache_size()` the number of compilations.
+        """
+        steps = self._steps(state)
+        return steps.fused if self.config.private else steps.public
+
     def init_state(self) -> TrainState:
         """The state at step 0 (parameters from the model given at construction).
 
-        A fresh copy each call: private steps donate their input state's buffers to the new one,
-        so a state must not be used again after it was passed to `private_step`/`noisy_step`.
+        A fresh copy each call: steps donate their input state's buffers to the new one, so a
+        state must not be used again after it was passed to a step.
         Private runs without a caller's `noise_key` get a new secret noise key each call (a
         collective in a multi-process run).
         """
@@ -484,14 +582,15 @@ class Trainer:
 
     def _accumulate(self, params, gather, indices, mask, clip_norm):
         """(`clipped_sum`, the centred count of its unclipped units), chunk by chunk."""
-        acc = (self._zeros_fn(params), jnp.zeros((), jnp.float32))
+        steps = self._sum_steps(params)
+        acc = (steps.zeros(params), jnp.zeros((), jnp.float32))
+        release_units = np.int32(indices.shape[0])
         for batch, chunk_mask in self._chunks(gather, indices, mask):
-            acc = self._chunk_fn(
-                params, self.frozen, self.rest, acc, batch, chunk_mask, clip_norm,
-                release_units=np.int32(indices.shape[0]),
-            )  # fmt: skip
+            acc = steps.chunk_sum(
+                params, self.frozen, self.rest, acc, batch, chunk_mask, clip_norm, release_units
+            )
         acc_sum, count = acc
-        return self._round_fn(acc_sum, params), count
+        return steps.rounded(acc_sum, params), count
 
     def _chunks(self, gather: Gather, indices: np.ndarray, mask: np.ndarray):
         """The placed (batch, mask) chunks of a padded index batch, gathered one at a time."""
@@ -578,10 +677,10 @@ class Trainer:
         check_live(state)
         if self.config.chunk_size is None:
             ((batch, chunk_mask),) = self._chunks(gather, indices, mask)
-            return self._step_fn(state, self.frozen, self.rest, batch, chunk_mask)
+            return self._steps(state).fused(state, self.frozen, self.rest, batch, chunk_mask)
         clip_norm = self._clip_norm(state.opt_state)
         total, count = self._accumulate(state.params, gather, indices, mask, clip_norm)
-        return self._apply_fn(state, total, count)
+        return self._steps(state).apply(state, total, count)
 
     def public_step(
         self, state: TrainState, data: IndexedData | BatchFn, rng: np.random.Generator
@@ -607,7 +706,8 @@ class Trainer:
         else:
             batch = data(rng)
         batch = self._place_batch(batch)
-        return self._public_fn(state, self.frozen, self.rest, batch)
+        check_live(state)
+        return self._steps(state).public(state, self.frozen, self.rest, batch)
 
 
 # --------------------------------------------------------------------------------------------

@@ -325,18 +325,25 @@ def test_dp_finetuning_with_mask_leaves_frozen_params_bit_identical():
     assert set(result.state.params) == {n for n, t in flags.items() if t}
 
 
-@pytest.mark.parametrize("chunk_size", [None, 8])
+@pytest.mark.parametrize("chunk_size", [None, 8, "public"])
 def test_a_consumed_state_is_refused_in_one_line(chunk_size):
-    # Private steps donate their input state's buffers to the state they return.
-    trainer = make_trainer(private_config(steps=2, chunk_size=chunk_size))
+    # Every step donates its input state's buffers to the state it returns.
+    if chunk_size == "public":
+        config = TrainConfig(steps=2, batch_size=12, learning_rate=0.1, progress=False)
+        trainer = engine.Trainer(config, MLP(4, 3, nnx.Rngs(0)), LOSS)
+        step = trainer.public_step
+    else:
+        trainer = make_trainer(private_config(steps=2, chunk_size=chunk_size))
+        step = trainer.private_step
     state = trainer.init_state()
     result = engine.fit(trainer, DATA, state=state, rng=np.random.default_rng(0))
     assert int(result.state.step) == 2
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
     for reuse in (
         lambda: engine.fit(trainer, DATA, state=state, rng=np.random.default_rng(0)),
-        lambda: trainer.private_step(state, DATA, np.random.default_rng(0)),
+        lambda: step(state, DATA, np.random.default_rng(0)),
     ):
-        with pytest.raises(ValueError, match="consumed by an earlier private step") as info:
+        with pytest.raises(ValueError, match="consumed by an earlier step") as info:
             reuse()
         assert "FitResult.state" in str(info.value) and "init_state()" in str(info.value)
     engine.fit(trainer, DATA, state=trainer.init_state(), rng=np.random.default_rng(1))
