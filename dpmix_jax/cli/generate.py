@@ -112,7 +112,12 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
         help="the generator: Hot PATE's vote histograms, coordinated (hot, shared sampling "
         "noise) or independent (cold), or a peer on the same teachers ("
         + ", ".join(f"{name}: {synthesis.REGISTRY[name].label}" for name in synthesis.PEER_METHODS)
-        + f"), or {synthesis.DP_FINETUNE}: DP-LoRA fine-tuning of the public model on the "
+        + "), or a peer in its own setting ("
+        + ", ".join(
+            f"{name}: {method.label}" for name, method in synthesis.registry.OWN_SETTINGS.items()
+        )
+        + f"; one disjoint batch of the teachers per text, --num-teachers at least --num-samples), "
+        f"or {synthesis.DP_FINETUNE}: DP-LoRA fine-tuning of the public model on the "
         "documents, then sampling (no teachers; ε is paid once, for any number of texts)",
     )
     generate.add_argument(

@@ -7,7 +7,8 @@ Llama-family folders, stored ones, and the text default's tiny GPT-2, trained on
 cached), `chat` (an instruct model's chat template around the teachers' documents),
 `finetuned_teachers` (one LoRA adapter per teacher), `ensemble` (teachers built from documents),
 `registry` (the methods by name: Hot PATE's samplers and the peers, each a
-`pate.method.Method`, and DP fine-tuning), `dp_finetuning` (DP-LoRA of the public model, then
+`pate.method.Method`, and DP fine-tuning), `relations` (each method's ε under add/remove and
+replace-one), `dp_finetuning` (DP-LoRA of the public model, then
 sampling: the generator without teachers), `run` (`synthesize`, `synthesize_with` on teachers
 already built),
 `individual_accounting` (per-unit accounting), `result` (`SynthesisResult`) and `quality`
@@ -25,6 +26,7 @@ from dpmix_jax.synthesis import (
     public_models,
     quality,
     registry,
+    relations,
     result,
     run,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "public_models",
     "quality",
     "registry",
+    "relations",
     "result",
     "run",
     "synthesize",

@@ -96,7 +96,10 @@ def synthesize(
             teachers: "invisibleink", "amin" or "pmixed", each calibrated by its own analysis
             so that all `num_samples` texts at full length cost at most (ε, δ); `aggregator`,
             `threshold_fraction`, `max_retries`, `public_fallback` and `public_candidates` are
-            Hot PATE's and do not apply to them. Or "dp_finetune": DP-LoRA fine-tuning of the
+            Hot PATE's and do not apply to them. Or "invisibleink_disjoint": InvisibleInk in its
+            package's setting, text i reading only the i-th of `num_samples` disjoint batches
+            of the teachers (`num_teachers` at least `num_samples`), the run costing its
+            costliest text (parallel composition). Or "dp_finetune": DP-LoRA fine-tuning of the
             public model on the documents (`finetuning`), then sampling
             (`dp_finetuning.synthesize_finetuned`); ε is paid once for any number of texts, and
             the teachers' settings (`num_teachers`, `teachers`, `tuning`, `accounting`,

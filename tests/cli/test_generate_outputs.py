@@ -77,8 +77,13 @@ FINE_TUNING = ["--method", "dp_finetune", "--finetune-steps", "2", "--finetune-b
 
 @pytest.mark.parametrize(
     "extra",
-    [["--num-teachers", "4"], ["--accounting", "individual"], FINE_TUNING],
-    ids=["standard", "individual", "dp_finetune"],
+    [
+        ["--num-teachers", "4"],
+        ["--num-teachers", "4", "--method", "invisibleink_disjoint"],
+        ["--accounting", "individual"],
+        FINE_TUNING,
+    ],
+    ids=["standard", "invisibleink_disjoint", "individual", "dp_finetune"],
 )
 def test_a_reader_cannot_tell_40_documents_from_41(tmp_path, blind_model_folder, capsys, extra):
     """The same run on 40 and on 41 documents, where the mechanism's outputs do not depend on

@@ -442,7 +442,9 @@ def test_fine_tuned_teachers_are_trained_on_their_own_units(model):
 
 def test_every_registered_method_satisfies_the_protocol_under_its_name():
     assert synthesis.METHODS[:2] == ("coordinated", "independent")
-    assert synthesis.METHODS[2:] == synthesis.PEER_METHODS
+    own_settings = tuple(synthesis.registry.OWN_SETTINGS)
+    assert synthesis.METHODS[2:] == (*synthesis.PEER_METHODS, *own_settings)
+    assert own_settings == ("invisibleink_disjoint",)
     for name, method in synthesis.REGISTRY.items():
         assert isinstance(method, Method) and method.name == name and method.label
 
@@ -455,3 +457,35 @@ def test_dpmix_generate_offers_the_names_of_the_library(capsys):
     kinds = tuple(kind.replace("_", "-") for kind in synthesis.TEACHER_KINDS)
     for names in (synthesis.GENERATORS, synthesis.AGGREGATORS, synthesis.ACCOUNTINGS, kinds):
         assert "{" + ",".join(names) + "}" in usage
+
+
+def test_invisibleink_disjoint_one_users_documents_move_only_their_texts_batch(model):
+    """Units go to teachers by the keyed hash, teachers to texts by `text_batches`: changing
+    every document of one user leaves the other texts bit for bit; the run is charged its
+    costliest text and its public report names the setting without the data's size."""
+    from dpmix_jax.pate.peers import invisibleink
+
+    key = jax.random.key(7)
+    settings = dict(method="invisibleink_disjoint", num_teachers=6, num_samples=3, key=key)
+    before = _run(model, **settings)
+    docs = [
+        {"text": "Lunch at noon today, bring the slides.", "user": u} if u == "user0" else d
+        for d, u in zip(_docs(), USERS, strict=True)
+    ]
+    after = synthesis.synthesize(
+        docs, model, epsilon=2.0, delta=1e-5, max_new_tokens=3, stop_at_newline=False, **settings
+    )
+    partition_key = np.asarray(jax.random.key_data(jax.random.fold_in(key, 0))).tobytes()
+    parts = teacher_parts(_docs(), 6, key=partition_key)
+    teacher = next(t for t, part in enumerate(parts) if USERS.index("user0") in part)
+    batches = invisibleink.text_batches(6, 3)
+    text = next(i for i, rows in enumerate(batches) if teacher in rows)
+    for other in range(3):
+        if other != text:
+            assert after.texts[other] == before.texts[other]
+    assert before.method == "invisibleink_disjoint" and before.mechanism["num_teachers"] == 2
+    assert 0 < before.epsilon <= before.planned_epsilon <= 2.0
+    report = before.public_report()
+    assert report["mechanism"]["batches"] == "disjoint" and "num_units" not in report
+    with pytest.raises(ValueError, match="num_teachers must be at least num_samples = 5"):
+        _run(model, method="invisibleink_disjoint", num_teachers=4, num_samples=5)

@@ -24,6 +24,21 @@ The paper's per-token rate ½·(C/(Bτ))² is that of a neighbour whose changed 
 and its slot left to the public prompt (c_i → 0, Δ = C/B). Under the replace-one relation above a
 run costs four times that ρ: what the paper's analysis reports for the clip norm 2C.
 
+Two settings on an ensemble of n rows, each its own `pate.method.Method`:
+
+* "invisibleink" (`METHOD`): every text reads all n rows, so the run's texts compose: the run is
+  calibrated for num_samples · max_new_tokens tokens with n in ρ_tok;
+* "invisibleink_disjoint" (`DISJOINT_METHOD`, the setting of the authors' package): the rows
+  are split into num_samples disjoint batches (`text_batches`), text i reads batch i only, and
+  since a unit sits in one row (units go to rows by a keyed hash) it moves one text: by parallel
+  composition the run costs what its costliest text costs, max_new_tokens tokens with the
+  batch's B = ⌊n / num_samples⌋ rows (or one more) in ρ_tok. Each text also has fewer rows
+  behind it, so which setting allows the larger clip depends on n, num_samples and the
+  length (`calibrate` of each).
+
+Both guarantees are for the replace-one relation above (one unit added or removed changes one
+row arbitrarily); `synthesis.relations` gives the paper's add/remove value beside it.
+
 Accounting: every generated token reads the teachers, and T tokens compose to T·ρ_tok. The event
 is `SelfComposedDpEvent(ZCDpEvent(ρ_tok), T)`; its ε at δ is dp-accounting's RDP accountant's
 (`privacy.accounting.epsilon(..., accountant="rdp")`), the zCDP-to-(ε, δ) conversion of Canonne,
@@ -50,14 +65,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpmix_jax.pate import generation
-from dpmix_jax.pate.method import Plan, RunSettings, Spent
+from dpmix_jax.pate.method import Plan, RunSettings, Spent, sample_keys
 from dpmix_jax.pate.peers import decoding, peer_method
 from dpmix_jax.pate.peers.result import PeerResult
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import validation
 
 __all__ = [
+    "DISJOINT_METHOD",
     "METHOD",
+    "InvisibleInkDisjointMethod",
     "InvisibleInkConfig",
     "InvisibleInkMethod",
     "calibrate",
@@ -67,6 +84,7 @@ __all__ = [
     "generate",
     "per_token_rho",
     "step",
+    "text_batches",
     "token_log_probs",
     "top_k_plus_mask",
     "worst_case_charges",
@@ -404,3 +422,130 @@ class InvisibleInkMethod:
 
 
 METHOD = InvisibleInkMethod()
+
+
+def text_batches(num_teachers: int, num_samples: int) -> list[np.ndarray]:
+    """The rows each text reads in the disjoint setting: `num_samples` contiguous, disjoint
+    batches covering rows 0..n-1, of ⌊n / num_samples⌋ rows or one more (the first ones).
+
+    Raises:
+        ValueError: fewer rows than texts (every text needs a batch).
+
+    Privacy:
+        Public: a function of n and num_samples only. The rows hold units by a keyed hash, so
+        which units a text reads is as secret as that key.
+    """
+    if not _is_positive_int(num_samples):
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+    if not _is_positive_int(num_teachers) or num_teachers < num_samples:
+        raise ValueError(
+            f"num_teachers must be at least num_samples = {num_samples} (one disjoint batch of "
+            f"teachers per text), got {num_teachers!r}."
+        )
+    return np.array_split(np.arange(num_teachers), num_samples)
+
+
+class _Rows:
+    """The teachers restricted to `rows` (every call computes all n rows and keeps these)."""
+
+    def __init__(self, teachers: generation.Teachers, rows: np.ndarray):
+        self._teachers = teachers
+        self._rows = jnp.asarray(rows)
+        self.vocab_size = teachers.vocab_size
+
+    @property
+    def num_teachers(self) -> int:
+        return int(self._rows.shape[0])
+
+    def __call__(self, prefix: Sequence[int]) -> jax.Array:
+        return jnp.asarray(self._teachers(prefix))[self._rows]
+
+
+class InvisibleInkDisjointMethod:
+    """InvisibleInk in its package's setting as a `pate.method.Method`: text i reads only batch
+    i of `text_batches`, and the run costs its costliest text (parallel composition)."""
+
+    name = "invisibleink_disjoint"
+    label = "InvisibleInk (disjoint batches)"
+
+    def calibrate(self, run: RunSettings) -> Plan:
+        """`calibrate` for one text at full length (`run.max_new_tokens` tokens) on the smallest
+        batch, ⌊n / num_samples⌋ rows; a larger batch's text costs less with the same clip.
+
+        Raises:
+            ValueError: fewer teachers than texts (`text_batches`), or any setting `calibrate`
+                rejects.
+
+        Privacy:
+            Public: a function of public settings only.
+        """
+        batches = text_batches(run.num_teachers, run.num_samples)
+        config = calibrate(
+            epsilon=run.epsilon,
+            delta=run.delta,
+            max_new_tokens=run.max_new_tokens,
+            num_teachers=len(batches[-1]),
+            temperature=run.temperature,
+            allow_large_delta=run.allow_large_delta,
+        )
+        charges = worst_case_charges(config)
+        return Plan(
+            run=run,
+            config=config,
+            planned_epsilon=epsilon(config, delta=run.delta, **charges),
+            mechanism={
+                **dataclasses.asdict(config),
+                "batches": "disjoint",
+                "max_calls": run.max_new_tokens,
+            },
+            aggregator=self.name,
+        )
+
+    def generate(
+        self,
+        plan: Plan,
+        teachers: generation.Teachers,
+        public_model: generation.PublicModel,
+        *,
+        prompt: Sequence[int],
+        key: jax.Array | None,
+    ) -> list[PeerResult]:
+        """Text i by `generate` on batch i's rows only, with the plan's clip and its own key.
+
+        Privacy:
+            Text i reads the teachers only through `step`, on its own batch's rows.
+        """
+        run = plan.run
+        decoding.check_teachers(teachers, run.num_teachers)
+        batches = text_batches(run.num_teachers, run.num_samples)
+        return [
+            generate(
+                _Rows(teachers, rows),
+                public_model,
+                prompt=prompt,
+                config=dataclasses.replace(plan.config, num_teachers=len(rows)),
+                key=text_key,
+                eos_id=run.eos_id,
+                stop_sequences=run.stop_sequences,
+            )
+            for rows, text_key in zip(batches, sample_keys(key, run.num_samples), strict=True)
+        ]
+
+    def charge(self, plan: Plan, samples: Sequence[PeerResult]) -> Spent:
+        """The costliest text's ε (parallel composition over disjoint batches), with the run's
+        counts; every call computed all n rows (`teacher_forward_passes`).
+
+        Privacy:
+            Reads the texts' charges only.
+        """
+        sources = [source for sample in samples for source in sample.sources]
+        return Spent(
+            epsilon=max(sample.epsilon for sample in samples),
+            delta=plan.run.delta,
+            num_queries=len(sources),
+            steps_without_output=sources.count("public"),
+            teacher_forward_passes=plan.run.num_teachers * len(sources),
+        )
+
+
+DISJOINT_METHOD = InvisibleInkDisjointMethod()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from scipy import special
+from scipy import optimize, special
 
 from dpmix_jax.pate.peers import PeerResult
 from dpmix_jax.pate.peers import invisibleink as ink
@@ -566,3 +566,107 @@ def test_invink_generate_runs_offline_and_agrees_with_ours(invink, tmp_path, mon
         assert ink.epsilon(full_clip, steps=length) == pytest.approx(
             utils.get_epsilon(length, 2 * clip, n + 1, temperature, 1e-5), rel=2e-3
         )
+
+
+# --- The disjoint setting: one batch of rows per text, parallel composition ---------------------
+
+
+def run_settings(**overrides):
+    from dpmix_jax.pate.method import RunSettings
+
+    base = dict(
+        epsilon=1.0, delta=1e-5, num_samples=4, max_new_tokens=6, num_teachers=10, vocab_size=5
+    )
+    return RunSettings(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("n, texts", [(10, 4), (8, 8), (64, 9), (5, 1)])
+def test_text_batches_are_disjoint_cover_the_rows_and_differ_by_at_most_one(n, texts):
+    batches = ink.text_batches(n, texts)
+    assert len(batches) == texts
+    rows = np.concatenate(batches)
+    assert sorted(rows.tolist()) == list(range(n))  # disjoint and covering
+    sizes = [len(b) for b in batches]
+    assert min(sizes) == n // texts and max(sizes) - min(sizes) <= 1
+
+
+def test_text_batches_refuse_fewer_rows_than_texts():
+    with pytest.raises(ValueError, match="num_teachers must be at least num_samples = 5"):
+        ink.text_batches(4, 5)
+    with pytest.raises(ValueError, match="num_teachers must be at least num_samples"):
+        ink.DISJOINT_METHOD.calibrate(run_settings(num_teachers=3, num_samples=4))
+
+
+def test_changing_one_row_changes_only_the_text_of_its_batch():
+    """Text i reads only batch i: with the same keys, one row changed arbitrarily leaves every
+    other text bit for bit, and moves its own text under some key."""
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 1, (10, 5, 5)).astype(np.float32)
+    method = ink.DISJOINT_METHOD
+    plan = method.calibrate(run_settings(epsilon=10.0, num_teachers=10, num_samples=4))
+    public = lambda prefix: jnp.zeros(5)  # noqa: E731
+    keys = [jax.random.key(seed) for seed in range(4)]
+    before = [method.generate(plan, TableTeachers(table), public, prompt=[0], key=k) for k in keys]
+    for text, rows in enumerate(ink.text_batches(10, 4)):
+        changed = table.copy()
+        changed[rows[-1]] = -1e9  # one row: every token at -C but token 3 at +C
+        changed[rows[-1], :, 3] = 1e9
+        moved = False
+        for key, texts in zip(keys, before, strict=True):
+            after = method.generate(plan, TableTeachers(changed), public, prompt=[0], key=key)
+            for other in range(4):
+                if other != text:
+                    assert after[other].tokens == texts[other].tokens
+            moved |= after[text].tokens != texts[text].tokens
+        assert moved
+
+
+def test_disjoint_run_costs_its_costliest_text_by_the_zcdp_closed_form():
+    """Planned ε: ρ = T · 2 (C / (Bτ))² on the smallest batch B = ⌊n/N⌋, not N·T tokens, and
+    every text's ε is its own tokens' on its own batch. The accountant's ε is at least the
+    continuous optimum of Canonne, Kamath and Steinke's conversion, within 1% of it, and below
+    the closed form ρ + 2√(ρ log(1/δ)) (Bun and Steinke 2016)."""
+    run = run_settings(epsilon=2.0, num_teachers=10, num_samples=4, max_new_tokens=6)
+    plan = ink.DISJOINT_METHOD.calibrate(run)
+    config = plan.config
+    assert config.num_teachers == 2 and plan.mechanism["batches"] == "disjoint"
+    rho = 6 * 2 * (config.clip_norm / 2) ** 2
+    closed_form = rho + 2 * math.sqrt(rho * math.log(1 / 1e-5))
+    optimum = optimize.minimize_scalar(
+        lambda a: a * rho + (math.log(1e5) + (a - 1) * math.log1p(-1 / a) - math.log(a)) / (a - 1),
+        bounds=(1.01, 200),
+        method="bounded",
+    ).fun
+    assert optimum <= plan.planned_epsilon <= min(1.01 * optimum, closed_form)
+    assert 0.999 * 2.0 <= plan.planned_epsilon <= 2.0
+    rng = np.random.default_rng(3)
+    teachers = TableTeachers(rng.normal(0, 1, (10, 5, 5)).astype(np.float32))
+    public = lambda prefix: jnp.asarray(rng.normal(0, 1, 5), jnp.float32)  # noqa: E731
+    samples = ink.DISJOINT_METHOD.generate(plan, teachers, public, prompt=[0], key=None)
+    for sample, rows in zip(samples, ink.text_batches(10, 4), strict=True):
+        own = dataclasses.replace(config, num_teachers=len(rows))
+        assert sample.epsilon == ink.epsilon(own, steps=len(sample.tokens))
+    spent = ink.DISJOINT_METHOD.charge(plan, samples)
+    assert spent.epsilon == max(s.epsilon for s in samples) <= plan.planned_epsilon
+    assert spent.num_queries == sum(len(s.tokens) for s in samples)
+    assert spent.teacher_forward_passes == 10 * spent.num_queries  # every call runs all n rows
+
+
+@pytest.mark.parametrize("texts, tokens", [(9, 32), (18, 16), (4, 8)])
+def test_clip_same_rows_is_smaller_by_root_n_native_batches_larger(texts, tokens):
+    """At ε = 1 on 64 rows the shared setting's clip is C; split into N batches of 64/N rows it
+    is C/√N (each text has N times fewer rows but N times fewer tokens to compose); with the
+    package's native batches, 64 references per text (64·N units, one per row), it is √N·C."""
+    budget = dict(epsilon=1.0, delta=1e-5)
+    shared = ink.METHOD.calibrate(
+        run_settings(**budget, num_samples=texts, max_new_tokens=tokens, num_teachers=64)
+    ).config.clip_norm
+    same_rows = ink.DISJOINT_METHOD.calibrate(
+        run_settings(**budget, num_samples=texts, max_new_tokens=tokens, num_teachers=64 * 1)
+    ).config
+    native = ink.DISJOINT_METHOD.calibrate(
+        run_settings(**budget, num_samples=texts, max_new_tokens=tokens, num_teachers=64 * texts)
+    ).config.clip_norm
+    expected_same = shared / math.sqrt(texts) * (64 // texts) * texts / 64
+    assert same_rows.clip_norm == pytest.approx(expected_same, rel=2e-3)
+    assert native == pytest.approx(shared * math.sqrt(texts), rel=2e-3) and native > shared
