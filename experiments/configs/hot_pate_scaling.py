@@ -28,7 +28,7 @@ Two parts, on synthetic teachers with a known ground truth (`pate.diversity`):
     jitter 1·N(0, 1) on every token): the quantiles of the top count / n and of the top-1 minus
     top-2 margin / n, coordinated against independent sampling.
 
-Expected (the cpu preset, about 2 minutes on 2 CPU cores): coordinated sampling keeps T at
+Expected (the cpu preset, about 1 minute on 2 CPU cores): coordinated sampling keeps T at
 0.92-0.97·n at every k, so its Gaussian calls grow as n² over the whole grid and its DPWS calls
 reach a local slope near 2 at the largest n (a fitted slope near 1.6 over the grid: at small n the
 per-call ε is above 1, where composition is about linear in the calls). Independent sampling
