@@ -558,6 +558,28 @@ def test_the_public_candidates_make_private_text_read_but_carry_little_vote():
     assert notes_mauve > 10 * row("notes", "coordinated (ε = 10)")["mauve"]
 
 
+def test_a_release_carries_the_vote_only_with_enough_teachers():
+    # docs/generate.md, How many teachers a release needs: on SmolLM2 at ε = 1 the probability
+    # that a unanimous token is released rises with n (0.083 at 16, 0.990 at 256), below 0.5
+    # up to 32 teachers and above 0.85 from 128; coordinated sampling releases more tokens than
+    # independent at ε = 10 for every n; every run stays within its target.
+    results = stored("teacher_share")
+    rows = {(r["num_teachers"], r["generator"]): r for r in results["rows"]}
+    counts = sorted(results["config"]["teacher_counts"])
+    assert counts[0] <= 16 and counts[-1] >= 512
+    at_one = "coordinated (ε = 1, top 16)"
+    carried = [rows[n, at_one]["unanimous_release_probability"] for n in counts]
+    assert all(a < b or a == b == 1.0 for a, b in zip(carried, carried[1:], strict=False))
+    assert all(v < 0.5 for n, v in zip(counts, carried, strict=True) if n <= 32)
+    assert all(v > 0.85 for n, v in zip(counts, carried, strict=True) if n >= 128)
+    for n in counts:
+        hot = rows[n, "coordinated (ε = 10, top 16)"]["teacher_share"]
+        assert hot > rows[n, "independent (ε = 10, top 16)"]["teacher_share"]
+    for row in results["rows"]:
+        assert 0 < row["epsilon"] <= row["target_epsilon"] + 1e-9
+        assert row["teacher_tokens"] <= row["tokens"] <= 2 * 12
+
+
 def test_dp_fine_tuning_writes_english_once_paid_but_does_not_reach_the_documents_at_this_scale():
     # docs/generate.md, DP fine-tuning as a generator: 30 DP-LoRA steps keep SmolLM2's English
     # (within 0.1 of the public model's share on both sets), the reader sees the target ε, and on
