@@ -37,6 +37,7 @@ from dpmix_jax.synthesis import quality
 from experiments.common_args import experiment_main
 from experiments.configs import readable_text as configs
 from experiments.harness import Command, finish
+from experiments.run_files import read_stage, write_stage
 
 NOTES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "examples" / "generate"
 
@@ -198,12 +199,7 @@ def main(
                     else stages / f"{run_key(config, document_set, generator, seed)}.json"
                 )
                 if stage is not None and stage.exists():
-                    try:
-                        run = json.loads(stage.read_text())
-                    except ValueError as err:
-                        raise ValueError(
-                            f"{stage}: not a finished run ({err}); delete it to run it again"
-                        ) from None
+                    run = read_stage(stage)
                     log(f"{document_set.name} {generator.name}: read back from {stage.name}")
                 else:
                     if ensemble is None and generator.method != synthesis.DP_FINETUNE:
@@ -222,10 +218,7 @@ def main(
                     )  # fmt: skip
                     run |= measure(config, run["texts"], heldout, featurize)
                     if stage is not None:
-                        stage.parent.mkdir(parents=True, exist_ok=True)
-                        temporary = stage.with_suffix(".tmp")
-                        temporary.write_text(json.dumps(run))
-                        temporary.replace(stage)
+                        write_stage(stage, run)
                     log(
                         f"{document_set.name} {generator.name}: ε {run['epsilon']:.3g}, "
                         f"English {run['english_share']:.2f}, teacher tokens "

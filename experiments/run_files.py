@@ -1,5 +1,5 @@
 """The files every experiment run writes: `results.json` and `results.md` (or `NAME.json` and
-`NAME.md`)."""
+`NAME.md`), and the stored stages a resumed run reads back."""
 
 from __future__ import annotations
 
@@ -38,3 +38,22 @@ def write_results(
     (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=_plain))
     if markdown is not None:
         (out / f"{name}.md").write_text(markdown.rstrip("\n") + "\n")
+
+
+def read_stage(path: pathlib.Path) -> dict[str, Any]:
+    """A finished run stored by `write_stage`; one line naming the file if it is damaged."""
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except ValueError as err:
+        message = f"{path}: not a finished run ({err}); delete it to run it again"
+        raise ValueError(message) from None
+
+
+def write_stage(path: pathlib.Path, run: dict[str, Any]) -> None:
+    """Stores a finished run at `path` at once (a temporary file renamed into place), so that an
+    interrupted run leaves no partial stage behind."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(run))
+    temporary.replace(path)

@@ -31,6 +31,7 @@ from dpmix_jax.privacy import randomness
 from experiments.common_args import experiment_main
 from experiments.configs import teacher_share as configs
 from experiments.harness import Command, finish
+from experiments.run_files import read_stage, write_stage
 
 
 def run_key(config: configs.TeacherShareConfig, num_teachers: int, generator, seed: int) -> str:
@@ -73,22 +74,6 @@ def generate(config, model, ensemble, generator, key) -> dict:
     }
 
 
-def _read_stage(stage: pathlib.Path) -> dict:
-    try:
-        return json.loads(stage.read_text())
-    except ValueError as err:
-        raise ValueError(
-            f"{stage}: not a finished run ({err}); delete it to run it again"
-        ) from None
-
-
-def _write_stage(stage: pathlib.Path, run: dict) -> None:
-    stage.parent.mkdir(parents=True, exist_ok=True)
-    temporary = stage.with_suffix(".tmp")
-    temporary.write_text(json.dumps(run))
-    temporary.replace(stage)
-
-
 def main(
     config: configs.TeacherShareConfig,
     out: pathlib.Path | None = None,
@@ -117,7 +102,7 @@ def main(
                 name = run_key(config, num_teachers, generator, seed)
                 stage = None if stages is None else stages / f"{name}.json"
                 if stage is not None and stage.exists():
-                    run = _read_stage(stage)
+                    run = read_stage(stage)
                     log(f"n = {num_teachers} {generator.name}: read back from {stage.name}")
                 else:
                     if ensemble is None:
@@ -135,7 +120,7 @@ def main(
                     )
                     run = generate(config, model, ensemble, generator, generator_key)
                     if stage is not None:
-                        _write_stage(stage, run)
+                        write_stage(stage, run)
                     log(
                         f"n = {num_teachers} {generator.name}: ε {run['epsilon']:.3g}, teacher "
                         f"tokens {run['teacher_tokens']}/{run['tokens']}, {run['seconds']:.0f} s"
