@@ -55,8 +55,11 @@ def documents(name: str) -> tuple[list[dict], list[str]]:
     return list(records[0::2]), [r["text"] for r in records[1::2]]
 
 
-def run_key(config: configs.ReadableTextConfig, document_set, generator, seed: int) -> str:
-    """The stage name of one run: a hash of everything that determines it."""
+def run_key(
+    config: configs.ReadableTextConfig, model_digest: str, document_set, generator, seed: int
+) -> str:
+    """The stage name of one run: a hash of everything that determines it (the model by the
+    digest of its tokenizer and parameters, `PublicTextModel.digest`)."""
     finetuning = None
     if generator.method == synthesis.DP_FINETUNE:
         finetuning = [config.finetune_steps, document_set.finetune_batch_size]
@@ -64,7 +67,7 @@ def run_key(config: configs.ReadableTextConfig, document_set, generator, seed: i
     documents_settings = dataclasses.asdict(document_set)
     del documents_settings["finetune_batch_size"]
     settings = {
-        "model": config.model,
+        "model": model_digest,
         "document_set": documents_settings,
         "generator": dataclasses.asdict(generator),
         "num_samples": config.num_samples,
@@ -181,6 +184,7 @@ def main(
 
     stages = None if out is None else pathlib.Path(out) / "stages"
     model = synthesis.load_public_model(config.model, stages=stages, log=log)
+    model_digest = model.digest()
     featurize = quality.last_token_features(
         model.model, model.tokenizer, max_tokens=min(64, int(model.model.config.n_positions))
     )
@@ -193,11 +197,8 @@ def main(
             key = randomness.prng_key(seed if reproducible else randomness.secret_seed())
             ensemble = None
             for index, generator in enumerate(config.generators):
-                stage = (
-                    None
-                    if stages is None
-                    else stages / f"{run_key(config, document_set, generator, seed)}.json"
-                )
+                name = run_key(config, model_digest, document_set, generator, seed)
+                stage = None if stages is None else stages / f"{name}.json"
                 if stage is not None and stage.exists():
                     run = read_stage(stage)
                     log(f"{document_set.name} {generator.name}: read back from {stage.name}")

@@ -34,10 +34,13 @@ from experiments.harness import Command, finish
 from experiments.run_files import read_stage, write_stage
 
 
-def run_key(config: configs.TeacherShareConfig, num_teachers: int, generator, seed: int) -> str:
-    """The stage name of one run: a hash of everything that determines it."""
+def run_key(
+    config: configs.TeacherShareConfig, model_digest: str, num_teachers: int, generator, seed: int
+) -> str:
+    """The stage name of one run: a hash of everything that determines it (the model by the
+    digest of its tokenizer and parameters, `PublicTextModel.digest`)."""
     settings = {
-        "model": config.model,
+        "model": model_digest,
         "num_teachers": num_teachers,
         "generator": dataclasses.asdict(generator),
         "num_samples": config.num_samples,
@@ -91,6 +94,7 @@ def main(
 
     stages = None if out is None else pathlib.Path(out) / "stages"
     model = synthesis.load_public_model(config.model, stages=stages, log=log)
+    model_digest = model.digest()
     documents = synthesis.text_default_documents()
     rows, samples = [], []
     for seed in config.seeds:
@@ -99,7 +103,7 @@ def main(
             ensemble_key = jax.random.fold_in(jax.random.fold_in(key, num_teachers), 0)
             ensemble = None
             for index, generator in enumerate(config.generators):
-                name = run_key(config, num_teachers, generator, seed)
+                name = run_key(config, model_digest, num_teachers, generator, seed)
                 stage = None if stages is None else stages / f"{name}.json"
                 if stage is not None and stage.exists():
                     run = read_stage(stage)

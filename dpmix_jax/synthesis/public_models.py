@@ -160,6 +160,16 @@ class PublicTextModel:
         """The model's positions (its longest input)."""
         return int(self.model.config.n_positions)
 
+    def digest(self) -> str:
+        """SHA-256 (hex) of the tokenizer and every parameter: results computed with the model
+        are stored under it, so that a changed file under the same name is not read back."""
+        digest = hashlib.sha256(self.tokenizer.to_str().encode())
+        params = nnx.state(self.model, nnx.Param)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+            digest.update(jax.tree_util.keystr(path).encode())
+            digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+        return digest.hexdigest()
+
 
 def _tokenizer_eos(folder: pathlib.Path) -> str:
     """The end-of-text token named by the folder's tokenizer settings (default <|endoftext|>)."""

@@ -697,6 +697,7 @@ class Trainer:
         self, state: TrainState, data: IndexedData | BatchFn, rng: np.random.Generator
     ) -> tuple[TrainState, jax.Array, jax.Array]:
         """`public_step` as (state, whether its parameters are all finite (on device), loss)."""
+        check_live(state)
         if isinstance(data, IndexedData):
             size = min(self.config.batch_size, data.num_examples)
             indices = rng.choice(data.num_examples, size, replace=False)
@@ -706,7 +707,6 @@ class Trainer:
         else:
             batch = data(rng)
         batch = self._place_batch(batch)
-        check_live(state)
         return self._steps(state).public(state, self.frozen, self.rest, batch)
 
 

@@ -71,7 +71,8 @@ def test_every_run_has_its_row_its_budget_and_its_samples(tmp_path, model_folder
 
 def test_a_damaged_stage_is_named(tmp_path, model_folder):
     config = tiny_config(model_folder)
-    name = teacher_share.run_key(config, 4, config.generators[0], 0)
+    digest = synthesis.load_public_model(model_folder).digest()
+    name = teacher_share.run_key(config, digest, 4, config.generators[0], 0)
     stage = tmp_path / "stages" / f"{name}.json"
     stage.parent.mkdir(parents=True)
     stage.write_text("{not json")
@@ -82,16 +83,16 @@ def test_a_damaged_stage_is_named(tmp_path, model_folder):
 def test_run_keys_change_with_what_determines_a_run(model_folder):
     config = tiny_config(model_folder)
     coordinated, independent = config.generators
+    other = configs.TeacherShareConfig(**{**config.__dict__, "delta": 1e-6})
     keys = {
-        teacher_share.run_key(config, 4, coordinated, 0),
-        teacher_share.run_key(config, 32, coordinated, 0),
-        teacher_share.run_key(config, 4, independent, 0),
-        teacher_share.run_key(config, 4, coordinated, 1),
-        teacher_share.run_key(
-            configs.TeacherShareConfig(**{**config.__dict__, "delta": 1e-6}), 4, coordinated, 0
-        ),
+        teacher_share.run_key(config, "a", 4, coordinated, 0),
+        teacher_share.run_key(config, "b", 4, coordinated, 0),  # other weights, same name
+        teacher_share.run_key(config, "a", 32, coordinated, 0),
+        teacher_share.run_key(config, "a", 4, independent, 0),
+        teacher_share.run_key(config, "a", 4, coordinated, 1),
+        teacher_share.run_key(other, "a", 4, coordinated, 0),
     }
-    assert len(keys) == 5
+    assert len(keys) == 6
 
 
 @pytest.mark.parametrize(

@@ -463,3 +463,22 @@ def test_dpmix_generate_runs_on_smollm2(tmp_path, capsys):
     assert 0 < report["epsilon"] <= 10
     assert "<|im_end|>" not in "".join(s["text"] for s in samples)
     assert f"ε = {report['epsilon']:.3g}" in capsys.readouterr().out
+
+
+def test_the_digest_follows_the_parameters_and_the_tokenizer():
+    texts = ["the first line of text", "another line", "and a third one"] * 10
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=280)
+    other_tokenizer = train_bpe_tokenizer(texts[::-1] + ["more words here"], vocab_size=290)
+
+    def public(seed, tok=tokenizer):
+        model = GPT2(GPT2Config.tiny(vocab_size=300, n_positions=16), rngs=nnx.Rngs(seed))
+        return public_models.PublicTextModel(model=model, tokenizer=tok, source="tiny")
+
+    same = public(0).digest()
+    assert public(0).digest() == same
+    assert public(1).digest() != same
+    assert public(0, other_tokenizer).digest() != same
+    changed = public(0)
+    leaf = changed.model.wte.embedding
+    leaf.value = leaf.value.at[0, 0].add(1e-3)  # one parameter moved
+    assert changed.digest() != same
