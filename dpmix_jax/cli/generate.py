@@ -575,11 +575,12 @@ def _write_outputs(
             f"documents); all {result.tokens_generated} tokens came from the fine-tuned model"
         )
     else:
-        teachers = (
-            "one teacher per unit"
-            if args.accounting == "individual"
-            else f"{result.num_teachers} teachers"
-        )
+        if args.accounting == "individual":
+            teachers = "one teacher per unit"
+        elif result.mechanism.get("batches") == "disjoint":
+            teachers = f"{result.num_teachers} teachers in one disjoint batch per text"
+        else:
+            teachers = f"{result.num_teachers} teachers"
         what = (
             f"{result.method}: {result.num_queries} queries of {teachers}); "
             f"{result.steps_with_output} of {result.tokens_generated} tokens came from the "

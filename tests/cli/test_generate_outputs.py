@@ -110,6 +110,8 @@ def test_a_reader_cannot_tell_40_documents_from_41(tmp_path, blind_model_folder,
         assert "num_teachers" not in report and "num_teachers" not in report["settings"]
         assert [owner["num_teachers"] for owner in owners] == [40, 41]
         assert "queries of one teacher per unit" in public[0][0]
+    if "invisibleink_disjoint" in extra:  # each text reads its own batch of the 4
+        assert "queries of 4 teachers in one disjoint batch per text" in public[0][0]
 
 
 def test_dp_fine_tuning_reports_its_steps_and_keeps_its_calibration_for_the_owner(
