@@ -150,6 +150,41 @@ def test_sequential_composition_is_below_parallel_as_in_table_6():
             assert run["spent_epsilon"] < sum(stages.values()) <= 1 + 1e-9
 
 
+def test_dp_mixmins_gap_to_nonprivate_mixmin_is_the_noise_in_lambda():
+    # The paper (Table 6): parallel DP-MixMin and non-private MixMin within a standard deviation
+    # (0.747 ± 0.005, 0.746 ± 0.006). Ours (docs/ablations.md, the DP-MixMin gap study): the data
+    # fine-tuned on explain none of our gap (at most 0.0015 between the whole split and D_ft on
+    # one λ), the noise in λ all of it: it narrows as D_mix grows, closes at mixture ε = 4, and
+    # over 8 seeds the composition table's comparison is about one standard deviation apart.
+    results = stored("mixmin_gap")
+    summary = {(row["condition"], row["arm"]): row for row in results["summary"]}
+    conditions = list(dict.fromkeys(row["condition"] for row in results["summary"]))
+    for condition in conditions:
+        assert abs(summary[condition, "nonprivate_all"]["gap_to_nonprivate_ft"]) <= 0.0015
+
+    def gap(condition, arm="dp_mixmin"):
+        row = summary[condition, arm]
+        return row["gap_to_nonprivate_ft"], row["gap_to_nonprivate_ft_se"]
+
+    rho = [c for c in conditions if c.endswith(", 60 fine-tuning steps")]
+    assert rho == [f"ρ = {r}, 60 fine-tuning steps" for r in ("0.1", "0.3", "0.5", "0.7")]
+    assert gap(rho[0])[0] > gap(rho[1])[0] > gap(rho[3])[0] > 0
+    for condition in rho[:3]:
+        mean, error = gap(condition)
+        assert mean > 2 * error, condition
+    base = rho[1]
+    for arm in ("dp_mixmin_mix4", "dp_mixmin_mix16"):
+        mean, error = gap(base, arm)
+        assert abs(mean) < 2 * error and abs(mean) < gap(base)[0] / 4, arm
+        assert summary[base, arm]["cosine_true"] > summary[base, "dp_mixmin"]["cosine_true"]
+    assert len(results["seeds"]) == 8
+    dp, nonprivate = summary[base, "dp_mixmin"], summary[base, "nonprivate_all"]
+    assert (nonprivate["utility_mean"] - dp["utility_mean"]) / dp["utility_std"] < 1.1
+    for run in results["runs"]:
+        budget = run["mixture_epsilon"] or results["epsilon"]
+        assert run["spent_epsilon"] <= max(budget, results["epsilon"]) * (1 + 1e-9), run
+
+
 def test_nih_presets_on_cpu_keep_the_papers_order_at_every_epsilon():
     """Tables 7 and 8's order on the NIH experiments' code (digits stand-in): DP-MixMin above
     Uniform above Random Search above Random Init at every ε, below the non-private MixMin
