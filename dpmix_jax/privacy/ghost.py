@@ -36,7 +36,15 @@ centred at their mean over positions (their common direction is what makes the b
 the centring's own rounding added, capped by the triangle inequality ||g_j|| <= Σ_t ||u_t||
 ||v_t|| (see `_BookKeeper.clip_bounds`). For ordinary inputs N_j is within about 1e-4 of ||g_j||
 on small layers and 1e-3 on GPT-2-sized ones (T = 384, 768 x 3072); cancelling inputs get a larger
-N_j and are clipped harder. The clipped sums are accumulated in float64 and rounded once into
+N_j. A unit whose N_j exceeds both C' (below) and `_LOOSE` (1.25) times its float32 estimate of
+its norm, so that the bound alone would clip it harder than its norm does, is bounded again: the
+gradients of its Gram-form parameters are formed in float64 from its recorded factors, where the
+products of float32 values are exact and the whole rounding is at most γ⁶⁴_T·Σ_t ||u_t|| ||v_t||,
+so that it is clipped by its norm and adds what the per-example path adds. A `lax.while_loop`
+visits such units one at a time, deciding for each from its own data only; on ordinary inputs it
+makes no pass. What such a unit can still lose is its share of the accumulation's rounding
+(below), which exceeds its norm only when its positions cancel by about 2²⁹ / (units · rows).
+The clipped sums are accumulated in float64 and rounded once into
 float32 (float64 for float64 parameters) whatever the parameter dtype, each unit is clipped to
 the C' of `summation.effective_clip_norm`, and a unit whose rows' magnitudes dwarf its norm is
 clipped by its share of the accumulation's rounding (`summation.mixing_bound`), so that the
@@ -102,6 +110,11 @@ _INPUT, _IDS, _GRAD = "input", "ids", "grad"
 # ResNet-tiny and ResNet-18 layers (2-core Xeon): one example per step pays the loop's overhead,
 # and a whole batch at once runs 1.4-3.5x slower than two at a time once its arrays leave the cache.
 _CPU_CHUNK_EXAMPLES = 2
+# How many times its float32 norm estimate a unit's certified bound must be for the unit to be
+# bounded again in float64 (ordinary inputs: within about 1e-3; see `_BookKeeper.clip_bounds`).
+_LOOSE = 1.25
+# Entries of a loose unit's float64 gradient formed at a time (32 MiB; see `_materialised_square`).
+_BLOCK_ELEMENTS = 2**22
 # Contractions whose rounding the norm bounds account for run in true float32: the bounds assume
 # float32 arithmetic, not the bfloat16 passes (TPU) or TF32 (GPU) of the default precision.
 _EXACT = jax.lax.Precision.HIGHEST
@@ -515,6 +528,76 @@ def _norm_of_square(square: jax.Array) -> jax.Array:
     return jnp.sqrt(square) * (1.0 + 2.0 * UNIT_ROUNDOFF)
 
 
+def _gamma64(n: int) -> float:
+    """γ_n of float64 arithmetic: the relative error bound of n roundings in sequence."""
+    nu = n * 2.0**-53
+    return nu / (1.0 - nu)
+
+
+def _materialised_square(uses: list, sizes: tuple[int, int], triangle: jax.Array) -> jax.Array:
+    """A float32 upper bound of the squared norm of one unit's gradient Σ_uses Σ_t l_t ⊗ r_t of
+    a matrix parameter of layout `sizes` (n, m), from its rows `uses` [((l, side), (r, side))]
+    ((1, T, ·) floats, or (1, T) int ids: one-hot rows) and `triangle` >= Σ_uses Σ_t ||l_t||
+    ||r_t||, by forming the gradient in float64, `_BLOCK_ELEMENTS` entries at a time along its
+    longer axis.
+
+    The products of float32 values are exact in float64, so every entry errs by at most γ_T
+    times its Σ_t |l_t||r_t| (T: all the uses' rows), the whole computed gradient by at most
+    γ_T·triangle in norm: positions that cancel by a factor of 10¹⁰ still get a bound within
+    about 1e-3 of their norm. Its computed squared norm, a sum of N = n·m non-negative
+    roundings, is within γ_N of its own.
+    """
+    n, m = sizes
+    along_left = n >= m
+    longer, shorter = (n, m) if along_left else (m, n)
+    block = max(1, min(longer, _BLOCK_ELEMENTS // shorter))
+    blocks = -(-longer // block)
+
+    def window(x, side, size, start, first):
+        """Columns [start, start + size) of the rows (one-hot for ids) in float64, those below
+        `first` zeroed (the last block overlaps the one before it rather than overrun)."""
+        columns = start + jnp.arange(size)
+        if side == _IDS:
+            return ((x[..., None] == columns) & (columns >= first)).astype(summation.ACCUMULATION)
+        x = summation.wide(jax.lax.dynamic_slice_in_dim(x, start, size, axis=2))
+        return jnp.where(columns >= first, x, 0.0)
+
+    def square_of_block(b):
+        first = b * block
+        start = jnp.minimum(first, longer - block)
+        total = 0.0
+        for (left, left_side), (right, right_side) in uses:
+            if along_left:
+                left = window(left, left_side, block, start, first)
+                right = window(right, right_side, shorter, 0, 0)
+            else:
+                left = window(left, left_side, shorter, 0, 0)
+                right = window(right, right_side, block, start, first)
+            total = total + jnp.einsum("bti,btj->ij", left, right, precision=_EXACT)
+        return jnp.sum(jnp.square(total))
+
+    if blocks == 1:
+        square = square_of_block(0)
+    else:
+        square = jax.lax.fori_loop(
+            0, blocks, lambda b, acc: acc + square_of_block(b), jnp.zeros((), jnp.float64)
+        )
+    rows = sum(use[0][0].shape[1] for use in uses)
+    norm = jnp.sqrt(square * (1.0 + 2.0 * _gamma64(n * m + blocks + 1))) * (1.0 + 2.0**-52)
+    norm = norm + _gamma64(rows + 1) * summation.wide(triangle) * (1.0 + 2.0**-50)
+    # Rounded up into float32: the float64 square, the conversion and the product.
+    square = (jnp.square(norm) * (1.0 + 4.0 * 2.0**-53)).astype(jnp.float32)
+    return square * (1.0 + 4.0 * UNIT_ROUNDOFF)
+
+
+def _unit_rows(x: jax.Array, j: jax.Array) -> jax.Array:
+    """x[j:j + 1] for a traced j, as a masked sum over the units: on a mesh that shards the units,
+    each device sums its own and one small all-reduce follows, where a slice at a traced index
+    would gather the whole array first (exact: the other units add exact zeros)."""
+    chosen = (jnp.arange(x.shape[0]) == j).reshape(-1, *([1] * (x.ndim - 1)))
+    return jnp.sum(jnp.where(chosen, x, jnp.zeros((), x.dtype)), axis=0, keepdims=True)
+
+
 def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     """Rows of x where `keep`, exact zeros elsewhere (a where, so that inf and NaN cannot leak)."""
     return jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), x, 0)
@@ -562,7 +645,7 @@ class _BookKeeper:
         if shared := [k for k, p in self.params.items() if p.uses and p.direct is not None]:
             raise ValueError(f"parameters [{_key_names(shared)}] are used as matrix and vector.")
 
-    def clip_bounds(self, roundoff: float) -> jax.Array:
+    def clip_bounds(self, roundoff: float, eligible: jax.Array, clip_norm) -> jax.Array:
         """(U,) the bound every unit is clipped by: its certified norm bound, or its share of the
         clipped sum's accumulation error if that is larger.
 
@@ -573,31 +656,89 @@ class _BookKeeper:
         gradient's norm where that is summed directly); it exceeds the norm bound only for a
         unit whose positions cancel by a factor of about 2²⁹ / (units · rows).
 
-        Privacy: the bound is computed from each unit's own data; it is not private and only
-        sets the clip factors.
+        Loose bounds: an `eligible` unit whose bound exceeds both `_LOOSE` times its float32
+        norm estimate and `clip_norm` (C': the bound clips it harder than its norm would) has
+        its Gram-form parameters bounded again in float64 (`_float64_squares`), where the
+        rounding of even strongly cancelling positions is negligible.
+
+        Privacy: the bound, and whether a unit is bounded again, are computed from each unit's
+        own data (and the public C'), so that no unit changes how another is clipped; they are
+        not private and only set the clip factors.
         """
-        squares, shares = [], []
+        parts = []
         for entry in self.params.values():
             if entry.direct is not None:
                 # What the unit adds is the computed vector itself: only its norm's rounding.
-                value, depth = staged_square_sum(entry.direct, lead=1)
-                value = value * (1.0 + rounding_gamma(depth))
+                estimate, depth = staged_square_sum(entry.direct, lead=1)
+                value = estimate * (1.0 + rounding_gamma(depth))
                 mass, terms = _norm_of_square(value), value.shape[0]
             else:
-                value, mass, terms = self._outer_bounds(entry)
-            squares.append(value)
-            shares.append(summation.mixing_bound(mass, terms, roundoff))
+                value, mass, terms, estimate = self._outer_bounds(entry)
+            parts.append((value, summation.mixing_bound(mass, terms, roundoff), mass, estimate))
         # The parameters' bounds are formed apart, then added in one reduction each: fused into
         # a chain of additions, they made one fusion whose compile time grew about as the cube
         # of the model's depth (four minutes for SmolLM2's 30 layers on CPU).
-        squares, shares = jax.lax.optimization_barrier((jnp.stack(squares), jnp.stack(shares)))
+        stacked = tuple(jnp.stack([part[n] for part in parts]) for n in range(4))
+        squares, shares, masses, estimates = jax.lax.optimization_barrier(stacked)
+        bound = self._combine(squares, shares)
+        gram = [i for i, p in enumerate(self.params.values()) if p.uses and p.per_example is None]
+        if not gram:
+            return bound
+        estimate = jnp.sqrt(jnp.sum(estimates, axis=0))
+        loose = eligible & jnp.isfinite(bound) & (bound > clip_norm) & (bound > _LOOSE * estimate)
+        tight = self._float64_squares(gram, masses[jnp.array(gram)], loose)
+        return self._combine(squares.at[jnp.array(gram)].min(tight), shares)
+
+    def _combine(self, squares: jax.Array, shares: jax.Array) -> jax.Array:
+        """(U,) clip bounds from every parameter's (P, U) squared-norm bounds and shares."""
         widen = 1.0 + rounding_gamma(len(self.params) + 4)
         bound = jnp.sqrt(jnp.sum(squares, axis=0)) * widen
         return jnp.maximum(bound, jnp.sum(shares, axis=0)).astype(jnp.float32)
 
-    def _outer_bounds(self, entry: _Param) -> tuple[jax.Array, jax.Array, int]:
+    @summation.in_float64
+    def _float64_squares(self, gram: list[int], triangles: jax.Array, loose: jax.Array):
+        """(G, U) float32 upper bounds of the squared norms of the Gram-form parameters `gram`
+        (their (G, U) `triangles`: bounds of Σ_t |u_t||v_t| over their uses) of the `loose`
+        units, from their gradients formed in float64 (`_materialised_square`); inf elsewhere.
+
+        A `lax.while_loop` visits the loose units one at a time (no pass without any) and bounds
+        all their parameters at once: one loop and one body, however deep the model is. A loose
+        unit costs about one float64 weight-gradient computation of the Gram-form parameters for
+        its rows (T·n·m per parameter).
+        """
+        entries = [list(self.params.values())[i] for i in gram]
+        factors = [
+            [((self._factors.get(n, u.left), u.left), (self._factors.get(n, u.right), u.right))
+             for n, u in entry.uses]
+            for entry in entries
+        ]  # fmt: skip
+        sizes = [(entry.uses[0][1].left_size, entry.uses[0][1].right_size) for entry in entries]
+        order = jnp.argsort(jnp.logical_not(loose), stable=True)  # the loose units first
+
+        def visit(state):
+            step, tight = state
+            j = order[step]
+            bounds = _unit_rows(triangles.T, j)[0]
+            values = [
+                _materialised_square(
+                    [tuple((_unit_rows(x, j), side) for x, side in use) for use in uses],
+                    size,
+                    bound,
+                )
+                for uses, size, bound in zip(factors, sizes, bounds, strict=True)
+            ]
+            chosen = jnp.arange(tight.shape[1]) == j
+            return step + 1, jnp.where(chosen, jnp.stack(values)[:, None], tight)
+
+        unbounded = jnp.full((len(gram), loose.shape[0]), jnp.inf, jnp.float32)
+        init = (jnp.zeros((), jnp.int32), unbounded)
+        count = jnp.sum(loose, dtype=jnp.int32)
+        return jax.lax.while_loop(lambda state: state[0] < count, visit, init)[1]
+
+    def _outer_bounds(self, entry: _Param) -> tuple[jax.Array, jax.Array, int, jax.Array]:
         """A matrix parameter's (U,) bound of its squared norm, (U,) bound of the magnitudes it
-        adds to its clipped sum's accumulation, and the number of terms of that accumulation.
+        adds to its clipped sum's accumulation, the number of terms of that accumulation, and
+        (U,) float32 estimates of its squared norm.
 
         Gram form, on the rows of `_Factors.centred` (within its slack of the gradient): with A, B
         the computed Gram matrices of the left and right rows, the exact squared norm
@@ -618,9 +759,9 @@ class _BookKeeper:
             if direct_ok and positions * (use.left_size + use.right_size) > size:
                 # The sum adds these computed gradients themselves: only their norm's rounding.
                 entry.per_example = self._per_example(name, use)
-                value, depth = staged_square_sum(entry.per_example, lead=1)
-                value = value * (1.0 + rounding_gamma(depth))
-                return value, _norm_of_square(value), units
+                estimate, depth = staged_square_sum(entry.per_example, lead=1)
+                value = estimate * (1.0 + rounding_gamma(depth))
+                return value, _norm_of_square(value), units, estimate
         uses = [self._factors.centred(name, use) for name, use in entry.uses]
         value, error = 0.0, 0.0
         pairs = list(itertools.combinations_with_replacement(enumerate(uses), 2))
@@ -647,7 +788,8 @@ class _BookKeeper:
         rows = sum(norms(n, u.left).shape[1] for n, u in entry.uses)
         triangle = sum(jnp.sum(norms(n, u.left) * norms(n, u.right), axis=1) for n, u in entry.uses)
         triangle = triangle * (1.0 + rounding_gamma(rows + 2))
-        return jnp.square(jnp.minimum(centred, triangle)), triangle, units * rows
+        bound = jnp.square(jnp.minimum(centred, triangle))
+        return bound, triangle, units * rows, jnp.maximum(value, 0.0)
 
     @summation.in_float64
     def clipped_sums(self, weights: jax.Array, keep: jax.Array) -> dict[ParamKey, jax.Array]:
@@ -844,10 +986,10 @@ def _ghost_sum(loss_fn: TapedLossFn, clip_norm: float, user_level: bool = False)
         (grads,) = pullback(example_weights.astype(losses.dtype))
         keeper = _BookKeeper(probe.layers, arrays, grads, group)
         roundoff = summation.output_roundoff(params)
-        norms = keeper.clip_bounds(roundoff)
-        keep = unit_mask & jnp.isfinite(norms)
         units = unit_mask.shape[0]
         bound = summation.effective_clip_norm(call_clip_norm, units, roundoff, release_units)
+        norms = keeper.clip_bounds(roundoff, unit_mask, bound)
+        keep = unit_mask & jnp.isfinite(norms)
         weights = clip_factor(norms, bound, keep)
         total = _fill(params, keeper.clipped_sums(weights, keep))
         if user_level:

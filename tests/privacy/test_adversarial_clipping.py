@@ -20,8 +20,8 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpmix_jax.privacy import clipping
-from dpmix_jax.privacy.ghost import ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
+from dpmix_jax.privacy import clipping, ghost
+from dpmix_jax.privacy.ghost import Tape, ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
 from dpmix_jax.train import TrainConfig, engine
 
 CLIP = 1.0
@@ -217,6 +217,106 @@ def test_cancelling_examples_of_one_user():
     mask[5, 1] = False
     assert_sound(fn, {"w": jnp.zeros((8, 8))}, batch, mask)
     assert_sound(vmap_fn, {"w": jnp.zeros((8, 8))}, batch, mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ghost: a unit whose certified bound is loose is bounded again in float64.
+# ---------------------------------------------------------------------------------------------
+
+
+def _loose_cases():
+    """(taped loss, params, batch, mask, user level) whose Gram bounds are many times the norm:
+    ratio != 1, so that centring the inputs does not help."""
+    x, v = cancelling(np.random.default_rng(0), 16, 2, 8, 8, ratio=3.0)
+    _, big = cancelling(np.random.default_rng(3), 16, 4, 8, 8, scale=1e4)
+    ids = np.tile(
+        np.array([[1, 1, 2, 2], [0, 0, 0, 0], [4, 4, 3, 3], [2, 2, 2, 2]], np.int32), (4, 1)
+    )
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((16, 4, 8)).astype(np.float32)
+    head = np.zeros((16, 4, 5), np.float32)
+    head[:, :, 1] = 1e3
+    tied_v = (-1e3 * q + 0.3 * rng.standard_normal(q.shape)).astype(np.float32)
+    mask = np.arange(16) != 3
+    user_mask = np.ones((16, 2), bool)
+    user_mask[5, 1] = False
+    return {
+        "dense": (dense_taped, {"w": jnp.zeros((8, 8))}, {"x": x, "v": v}, mask, False),
+        "conv": (
+            conv_taped, {"k": jnp.zeros((1, 1, 8, 8))},
+            {"x": x.reshape(16, 1, 2, 8), "v": v.reshape(16, 1, 2, 8)}, mask, False,
+        ),
+        "embedding": (embed_taped, {"e": jnp.zeros((5, 8))}, {"ids": ids, "v": big}, mask, False),
+        "tied": (
+            tied_taped, {"e": jnp.zeros((5, 8))},
+            {"ids": np.ones((16, 4), np.int32), "q": q, "w": head, "v": tied_v}, mask, False,
+        ),
+        "user": (
+            dense_taped, {"w": jnp.zeros((8, 8))},
+            {"x": x[:, :, None, :], "v": v[:, :, None, :]}, user_mask, True,
+        ),
+    }  # fmt: skip
+
+
+def _vmap_of(taped, user_level):
+    """The vmap path's clipped sum of a taped loss (the tape records nothing there)."""
+    example = lambda p, ex: taped(p, jax.tree.map(lambda a: a[None], ex), Tape())[0]
+    if user_level:
+        return jax.jit(clipping.user_clipped_grad_sum(example, clip_norm=CLIP).function)
+    return jax.jit(clipping.clipped_grad_sum(example, clip_norm=CLIP).function)
+
+
+def _ghost_of(taped, user_level):
+    ghost_sum = ghost_user_clipped_grad_sum if user_level else ghost_clipped_grad_sum
+    return jax.jit(ghost_sum(taped, clip_norm=CLIP).function)
+
+
+@pytest.mark.parametrize("case", ["dense", "conv", "embedding", "tied", "user"])
+def test_loose_units_are_sound(case):
+    # Every unit but the padded one is loose and bounded again; whether a unit is depends on its
+    # own data only, so that removing one unit changes no other unit's clipping.
+    taped, params, batch, mask, user_level = _loose_cases()[case]
+    assert_sound(_ghost_of(taped, user_level), params, batch, mask)
+
+
+@pytest.mark.parametrize("block", [None, 16])
+@pytest.mark.parametrize("case", ["dense", "conv", "embedding", "tied", "user"])
+def test_loose_units_add_what_the_vmap_path_adds(case, block, monkeypatch):
+    # Cancelling units whose float32 Gram bound is many times their norm add far less than C
+    # when clipped by it; bounded again in float64, each adds what the vmap path adds (C, or its
+    # whole gradient when that is shorter). With 16 entries per block, their gradients are formed
+    # in 2-4 blocks, the last overlapping the one before it.
+    if block is not None:
+        monkeypatch.setattr(ghost, "_BLOCK_ELEMENTS", block)
+    taped, params, batch, mask, user_level = _loose_cases()[case]
+
+    def contributions(fn):
+        alone = [np.where(np.arange(16) == j, mask.T, False).T for j in range(0, 16, 3)]
+        return np.array([_norm64(fn(params, batch, m)[0]) for m in alone])
+
+    want = contributions(_vmap_of(taped, user_level))
+    got = contributions(_ghost_of(taped, user_level))
+    np.testing.assert_allclose(got, want, rtol=0.01)
+    monkeypatch.setattr(ghost, "_LOOSE", float("inf"))  # the float32 bound alone
+    loose = contributions(_ghost_of(taped, user_level))
+    assert np.all(loose[want > 0] < 0.6 * want[want > 0])
+
+
+def test_gpt2_sized_cancelling_units_add_what_the_vmap_path_adds(monkeypatch):
+    # A GPT-2 MLP layer (768 x 3072, T = 384) whose positions cancel by a factor of about 10⁴:
+    # the float32 bound alone lets each unit add about 0.02-0.07 C; bounded again, it adds C,
+    # as the vmap path does (which clips by its own certified bound, within 3e-4 of C).
+    x, v = cancelling(np.random.default_rng(0), 2, 384, 768, 3072, scale=30.0, ratio=3.0,
+                      residue=0.05)  # fmt: skip
+    params, batch = {"w": jnp.zeros((768, 3072))}, {"x": x, "v": v}
+
+    def contributions(fn):
+        return np.array([_norm64(fn(params, batch, np.arange(2) == j)[0]) for j in range(2)])
+
+    want = contributions(_vmap_of(dense_taped, False))
+    np.testing.assert_allclose(contributions(_ghost_of(dense_taped, False)), want, rtol=1e-3)
+    monkeypatch.setattr(ghost, "_LOOSE", float("inf"))
+    assert np.all(contributions(_ghost_of(dense_taped, False)) < 0.1 * want)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,6 +61,25 @@ def test_dense_embedding_norm_layers_match_vmap():
     assert float(stats["grad_norm"].min()) > 0.3  # every example is clipped: clipping matters
 
 
+def test_ordinary_inputs_keep_the_gram_form(monkeypatch):
+    # No unit's bound is loose, so none is bounded again: the same sums and bounds as with the
+    # float64 bounds switched off.
+    model = DenseEmbedConv(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    batch = {"x": jax.random.randint(jax.random.key(1), (5, 9), 0, 11), "y": jnp.arange(5) % 3}
+    mask = jnp.array([True, True, False, True, True])
+
+    def run():
+        grad_sum = model_clipped_grad_sum(model, _cls_loss, clip_norm=0.3, method="ghost")
+        return jax.jit(grad_sum.function)(params, batch, mask)
+
+    total, stats = run()
+    monkeypatch.setattr(ghost, "_LOOSE", float("inf"))
+    gram_total, gram_stats = run()
+    np.testing.assert_allclose(stats["grad_norm"], gram_stats["grad_norm"], rtol=1e-6)
+    _assert_trees_close(total, gram_total, rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize(("positions", "width"), [(40, 3), (2, 8)])
 def test_per_example_and_gram_forms_match_vmap(positions, width):
     # T·(d_in + d_out) > d_in·d_out: per-example gradients (40·5 > 6), else Gram (2·16 <= 64).
