@@ -140,8 +140,9 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
         "--aggregator",
         choices=synthesis.AGGREGATORS,
         default="confident_gnmax",
-        help="DP aggregator of the votes (confident_gnmax also computes a data-dependent ε, "
-        "kept in owner_only_report.json: its release is not in the printed ε)",
+        help="Hot PATE (--method coordinated or independent): DP aggregator of the votes "
+        "(confident_gnmax also computes a data-dependent ε, kept in owner_only_report.json: its "
+        "release is not in the printed ε)",
     )
     generate.add_argument(
         "--public-candidates",
@@ -244,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     """`dpmix generate`: checks the arguments, loads documents and model, writes the outputs."""
+    from dpmix_jax import synthesis
     from dpmix_jax.privacy import accounting, validation
 
     validation.check_epsilon(args.epsilon, "argument --epsilon")
@@ -274,6 +276,12 @@ def _generate(args: argparse.Namespace) -> int:
         validation.check_steps(args.tuning_steps, "argument --tuning-steps")
     _check_individual_arguments(args)
     _public_candidates(args)
+    peer = not finetuned and args.method not in synthesis.registry.HOT_PATE
+    if peer and args.aggregator != "confident_gnmax":
+        raise ValueError(
+            "argument --aggregator: applies to --method coordinated or independent (the "
+            f"{args.method} method has its own mechanism)"
+        )
     if args.documents is not None and args.num_teachers is None and not (individual or finetuned):
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "
@@ -533,7 +541,10 @@ def _public_settings(args: argparse.Namespace, documents_source: str, model_sour
     }
     if args.accounting == "individual":  # n is then the number of units
         del settings["num_teachers"]
-    from dpmix_jax.synthesis.registry import DP_FINETUNE
+    from dpmix_jax.synthesis.registry import DP_FINETUNE, HOT_PATE
+
+    if args.method not in HOT_PATE:  # the peers have their own mechanisms, no aggregator
+        del settings["aggregator"]
 
     # DP fine-tuning has no teachers: their settings in its report would be false words.
     dropped = _TEACHER_SETTINGS if args.method == DP_FINETUNE else _FINETUNE_SETTINGS

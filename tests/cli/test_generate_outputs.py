@@ -112,6 +112,7 @@ def test_a_reader_cannot_tell_40_documents_from_41(tmp_path, blind_model_folder,
         assert "queries of one teacher per unit" in public[0][0]
     if "invisibleink_disjoint" in extra:  # each text reads its own batch of the 4
         assert "queries of 4 teachers in one disjoint batch per text" in public[0][0]
+        assert "aggregator" not in report["settings"]  # its own mechanism has none
 
 
 def test_dp_fine_tuning_reports_its_steps_and_keeps_its_calibration_for_the_owner(
@@ -385,6 +386,7 @@ def test_hot_pate_counts_the_public_candidates_and_says_how_likely_a_vote_is_car
     [
         (("--method", "amin", "--public-candidates", "8"), "applies to --method coordinated"),
         (("--public-candidates", "0"), "expected a positive integer or 'all', got '0'"),
+        (("--method", "pmixed", "--aggregator", "dpws"), "argument --aggregator: applies to"),
     ],
 )
 def test_public_candidates_are_refused_where_they_do_not_apply(
