@@ -41,6 +41,7 @@ from dpmix_jax.mixing.sample_size import (
 from dpmix_jax.mixing.solvers import (
     DEFAULT_SHIFT,
     DpMixMinResult,
+    MixtureRelease,
     SolverTrace,
     dp_mixmin,
     mixmin,
@@ -59,6 +60,7 @@ __all__ = [
     "BoundTerms",
     "DpMixMinResult",
     "ExponentialFrankWolfeResult",
+    "MixtureRelease",
     "MixtureSizeGuide",
     "SolverTrace",
     "cosine_similarity",

@@ -229,50 +229,16 @@ def calibrate_step_epsilon(*, target_epsilon: float, delta: float, steps: int) -
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExponentialFrankWolfeResult:
-    """What a run of DP Frank-Wolfe with the exponential-mechanism oracle released and cost.
+class ExponentialFrankWolfeResult(solvers.MixtureRelease):
+    """A run of DP Frank-Wolfe with the exponential-mechanism oracle: `solvers.MixtureRelease`
+    (its ledger the T selections, its ε the RDP accountant's, inf for ε_0 = inf; every step
+    reads all `num_units` examples of the mixture split) and its selections' ε_0.
 
     Attributes:
-        weights: λ_T, the last iterate, `(k,)` on the simplex (the released mixture).
-        average_weights: mean of λ_1..λ_T (also private: post-processing of the same run).
-        history: `(T, k)` iterates λ_1..λ_T (private: post-processing).
-        epsilon: the RDP accountant's ε at `delta` for the run (inf for ε_0 = inf).
-        delta: δ.
         step_epsilon: ε_0 of each selection (calibrated, or given).
-        steps: T.
-        clip_norm: C.
-        shift: the per-example gradient shift used.
-        num_units: n, the examples of the mixture split (all read at every step).
-        ledger: the `PrivacyLedger` of the T selections.
-        seeded: True when the caller's seed drove the selections (reproducible, not private
-            against anyone who knows the seed: `privacy.SEEDED_NOTE`); False when the
-            randomness was a secret from the operating system.
-        allow_large_delta: True when the caller accepted δ >= 1/n.
     """
 
-    weights: np.ndarray
-    average_weights: np.ndarray
-    history: np.ndarray
-    epsilon: float
-    delta: float
     step_epsilon: float
-    steps: int
-    clip_norm: float
-    shift: str
-    num_units: int
-    ledger: accounting.PrivacyLedger
-    seeded: bool
-    allow_large_delta: bool = False
-
-    @property
-    def event(self) -> dp_accounting.DpEvent:
-        """The composed event of the run (what the ε was computed from)."""
-        return self.ledger.event()
-
-    @property
-    def is_private(self) -> bool:
-        """False for a no-noise control (ε_0 = inf, ε = inf)."""
-        return math.isfinite(self.epsilon)
 
 
 def dp_exponential_frank_wolfe(

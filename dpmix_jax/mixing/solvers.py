@@ -401,36 +401,26 @@ def frank_wolfe_step(weights: jax.Array, vertex: jax.Array, t: jax.Array) -> jax
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DpMixMinResult:
-    """What a DP-MixMin run released and what it cost.
+class MixtureRelease:
+    """What every private solver of the mixture weights released and what it cost.
 
     Attributes:
         weights: λ_T, the last iterate, `(k,)` on the simplex (the released mixture).
         average_weights: mean of λ_1..λ_T (also private: post-processing of the same run).
         history: `(T, k)` iterates λ_1..λ_T (private: post-processing).
-        epsilon: the accountant's ε at `delta` for the executed mechanism (inf when σ = 0).
+        epsilon: the accountant's ε at `delta` for the executed mechanism (inf for a no-noise
+            control).
         delta: δ.
-        noise_multiplier: σ used (calibrated, or given).
-        sampling_rate: q, the Poisson rate of the sampler (per example or per user).
-        expected_batch_size: b = q·n (units), the public normaliser.
         steps: T.
         clip_norm: C.
-        solver: "mirror_descent" or "frank_wolfe".
         shift: the per-example gradient shift used.
-        user_level: whether the unit of privacy is a user.
         num_units: n, examples or users in the mixture split.
-        accountant: "pld" or "rdp".
-        ledger: the `PrivacyLedger` holding the executed step events (T, or ceil(T / b)
-            cycles for BandMF).
-        seeded: True when the caller's seed drove the noise and sampling (reproducible, not
-            private against anyone who knows the seed: `privacy.SEEDED_NOTE`); False when the
-            randomness was a secret from the operating system.
+        ledger: the `PrivacyLedger` holding the executed step events.
+        seeded: True when the caller's seed drove the randomness (reproducible, not private
+            against anyone who knows the seed: `privacy.SEEDED_NOTE`); False when it was a
+            secret from the operating system.
         allow_large_delta: True when the caller accepted δ >= 1/n (`num_units`), a δ that
             allows publishing a unit in the clear.
-        noise: "independent" or "bandmf" (correlated noise with cyclic Poisson sampling).
-        bands: b for BandMF, None for independent noise.
-        clip_norms: with adaptive clipping, `(T,)` C_1..C_T (public: post-processing of the
-            noisy counts); None otherwise (`clip_norm` throughout).
     """
 
     weights: np.ndarray
@@ -438,22 +428,13 @@ class DpMixMinResult:
     history: np.ndarray
     epsilon: float
     delta: float
-    noise_multiplier: float
-    sampling_rate: float
-    expected_batch_size: float
     steps: int
     clip_norm: float
-    solver: str
     shift: str
-    user_level: bool
     num_units: int
-    accountant: str
     ledger: accounting.PrivacyLedger
     seeded: bool
     allow_large_delta: bool = False
-    noise: str = "independent"
-    bands: int | None = None
-    clip_norms: np.ndarray | None = None
 
     @property
     def event(self) -> dp_accounting.DpEvent:
@@ -462,8 +443,37 @@ class DpMixMinResult:
 
     @property
     def is_private(self) -> bool:
-        """False for a no-noise control (σ = 0, ε = inf)."""
+        """False for a no-noise control (ε = inf)."""
         return math.isfinite(self.epsilon)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DpMixMinResult(MixtureRelease):
+    """A DP-MixMin run (noisy mirror descent or Frank-Wolfe): `MixtureRelease` and its noise.
+
+    Attributes:
+        noise_multiplier: σ used (calibrated, or given; 0 for a no-noise control).
+        sampling_rate: q, the Poisson rate of the sampler (per example or per user).
+        expected_batch_size: b = q·n (units), the public normaliser.
+        solver: "mirror_descent" or "frank_wolfe".
+        user_level: whether the unit of privacy is a user.
+        accountant: "pld" or "rdp".
+        noise: "independent" or "bandmf" (correlated noise with cyclic Poisson sampling; the
+            ledger then holds ceil(T / b) cycles).
+        bands: b for BandMF, None for independent noise.
+        clip_norms: with adaptive clipping, `(T,)` C_1..C_T (public: post-processing of the
+            noisy counts); None otherwise (`clip_norm` throughout).
+    """
+
+    noise_multiplier: float
+    sampling_rate: float
+    expected_batch_size: float
+    solver: str
+    user_level: bool
+    accountant: str
+    noise: str = "independent"
+    bands: int | None = None
+    clip_norms: np.ndarray | None = None
 
 
 def dp_mixmin(
