@@ -18,18 +18,20 @@ def digit_tasks(
     image_size: int = 16,
     num_tasks: int = 1,
     prevalence_scales: Sequence[float] | None = None,
+    num_active_sources: int = 3,
 ) -> list[SharedInputTask]:
     """The embedded image default (MNIST-5k, 12 overlapping label rules) as pipeline tasks.
 
     Sensitive task t is labelled Bernoulli(s_t Σ_i λ*_ti y_i(x)) for a recorded sparse λ*_t (data
-    seed `seed`) and prevalence scale s_t (`prevalence_scales`, default 1); each task's
-    `true_weights` is its λ*_t.
+    seed `seed`, `num_active_sources` non-zero weights) and prevalence scale s_t
+    (`prevalence_scales`, default 1); each task's `true_weights` is its λ*_t.
     """
     task = builtin.load_digit_mixture_task(
         seed=seed,
         image_size=image_size,
         num_tasks=num_tasks,
         prevalence_scales=prevalence_scales,
+        num_active_sources=num_active_sources,
     )
     return [
         SharedInputTask(

@@ -185,6 +185,42 @@ def test_dp_mixmins_gap_to_nonprivate_mixmin_is_the_noise_in_lambda():
         assert run["spent_epsilon"] <= max(budget, results["epsilon"]) * (1 + 1e-9), run
 
 
+def test_dp_mixmin_against_uniform_at_rho_0_1_is_the_noise_in_lambda():
+    # The paper (Table 1's ρ row): DP-MixMin at ρ = 0.1 beats Uniform (17.97 ± 2.72 against
+    # 19.88 ± 1.10). Ours (docs/experiments.md, the low-ρ study): with about 12 users in D_mix the
+    # noise in λ's logits at ε = 1 is three times ρ = 0.3's, and a third of the λs fall below
+    # Uniform's cosine to λ*; over 10 seeds DP-MixMin beats Uniform on most seeds, but a seed whose
+    # λ lands on a domain λ* does not use takes its mean to Uniform's. A batch scaled to ρ = 0.3's
+    # rate does not remove the noise; a mixture ε of 4 does, and then DP-MixMin beats Uniform on
+    # every seed, as at ρ = 0.3.
+    results = stored("low_rho")
+    lambdas = {row["condition"]: row for row in results["lambda_summary"]}
+    base, scaled = lambdas["ρ = 0.1, ε = 1, b = 4"], lambdas["ρ = 0.1, ε = 1, b = 1.33"]
+    larger, reference = lambdas["ρ = 0.1, ε = 4, b = 4"], lambdas["ρ = 0.3, ε = 1, b = 4"]
+    assert base["users"] < 15 < 30 < reference["users"]
+    assert base["logit_noise"] > 3 * reference["logit_noise"]
+    assert base["below_uniform_last"] > 0.25 > 0.05 > reference["below_uniform_last"]
+    assert scaled["logit_noise"] > 0.9 * base["logit_noise"]
+    assert scaled["below_uniform_last"] > 0.25
+    assert larger["logit_noise"] < 1.1 * reference["logit_noise"]
+    assert larger["below_uniform_last"] < 0.1
+    assert len(results["seeds"]) >= 10
+    arms = {row["arm"]: row for row in results["summary"]}
+    uniform, dp = arms["uniform"], arms["dp_mixmin"]
+    assert dp["utility_median"] < uniform["utility_median"]
+    assert 0 < dp["worse_than_uniform"] <= 0.3
+    assert abs(dp["minus_uniform"]) < dp["minus_uniform_se"]
+    assert dp["utility_std"] > 3 * uniform["utility_std"]
+    worst = max((r for r in results["runs"] if r["arm"] == "dp_mixmin"), key=lambda r: r["utility"])
+    assert worst["cosine_true"] < results["uniform_cosine"] / 2
+    for arm in ("dp_mixmin_mix4", "dp_mixmin_rho0.3"):
+        assert arms[arm]["worse_than_uniform"] == 0, arm
+        assert -arms[arm]["minus_uniform"] > 4 * arms[arm]["minus_uniform_se"], arm
+    for run in results["runs"]:
+        budget = run["mixture_epsilon"] or results["epsilon"]
+        assert run["spent_epsilon"] <= max(budget, results["epsilon"]) * (1 + 1e-9), run
+
+
 def test_nih_presets_on_cpu_keep_the_papers_order_at_every_epsilon():
     """Tables 7 and 8's order on the NIH experiments' code (digits stand-in): DP-MixMin above
     Uniform above Random Search above Random Init at every ε, below the non-private MixMin
@@ -633,3 +669,64 @@ def test_dp_fine_tuning_writes_english_once_paid_but_does_not_reach_the_document
     for epsilon in (1, 10):
         assert rows["notes", f"dp_finetune (ε = {epsilon})"]["mauve"] <= public_mauve
     assert rows["notes", "nonprivate"]["mauve"] > public_mauve
+
+
+def test_the_enron_stand_ins_order_is_lambdas_and_random_searchs_selection():
+    # The paper (Table 1, Enron): Random Search above Uniform in perplexity and DP-MixMin's
+    # reduction against Uniform widening as ε shrinks (13.9% at ε = 5, 15.6% at ε = 1). Ours
+    # (docs/experiments.md, the Enron order study): DP fine-tuning barely moves any model, so the
+    # gain is λ's (the same before fine-tuning) and does not widen as ε shrinks; a single random
+    # candidate lands on either side of Uniform, and Random Search beats Uniform through its
+    # unaccounted selection, at more ε than its nominal one.
+    results = stored("enron_order")
+    summary = results["summary"]
+    per_epsilon = {row["epsilon"]: row for row in summary["per_epsilon"]}
+    assert sorted(per_epsilon) == [1.0, 5.0] and len(results["seeds"]) >= 3
+    for row in per_epsilon.values():
+        gap = row["uniform_pretrained_test"][0] - row["dp_mixmin_pretrained_test"][0]
+        for arm in ("uniform", "dp_mixmin"):
+            assert abs(row[f"{arm}_finetune_change"][0]) < gap / 10, row
+        assert abs(row["gain_percent"][0] - row["pretrained_gain_percent"][0]) < 0.5
+        assert row["gain_percent"][0] < -10
+    # Not the paper's widening: the gain at ε = 1 is no larger than at ε = 5.
+    assert per_epsilon[1.0]["gain_percent"][0] >= per_epsilon[5.0]["gain_percent"][0]
+    candidates = summary["candidates"]
+    assert 0.25 < candidates["below_uniform"] / candidates["count"] < 0.75
+    assert abs(candidates["minus_uniform"][0]) < candidates["minus_uniform"][1]
+    assert candidates["cosine_true"] < summary["uniform_cosine_true"]
+    assert results["zero_domains"] >= len(results["true_weights"]) / 2
+    searches = {row["candidates"]: row for row in summary["random_search"]}
+    best = searches[max(searches)]
+    assert best["minus_uniform"][0] < 0 and best["below_uniform"] == len(results["seeds"])
+    assert best["minus_uniform"][0] < searches[1]["minus_uniform"][0]
+    assert searches[1]["spent_epsilon"] <= 1 + 1e-9 < best["spent_epsilon"]
+    for run in results["runs"]:
+        assert run["spent_epsilon"] <= run["epsilon"] * (1 + 1e-9), run
+
+
+def test_random_search_gain_ratio_is_its_choice_among_candidates_and_a_spread_lambda():
+    """docs/experiments.md, "DP-MixMin's gain against Random Search's": the per-task ratio (1.37x
+    against the paper's about 2) is Random Search's choice among four candidates on validation
+    data, not its budget; with one candidate, or a λ* on one source, the ratio is the paper's."""
+    results = stored("random_search_gain")
+    rows = {(row["active_sources"], row["arm"]): row for row in results["summary"]}
+
+    def ratio(active, m, budget="charged"):
+        return rows[active, f"random_search_m{m}_{budget}"]["ratio"]
+
+    per_task = stored("per_task")["macro"]["gain_ratio"]["random_search"]
+    assert ratio(3, 4) == pytest.approx(per_task, abs=0.02) and ratio(3, 4) < 1.5
+    assert abs(ratio(3, 4, "calibrated") - ratio(3, 4)) < 0.05
+    for active in (3, 1):
+        for budget in ("charged", "calibrated"):
+            assert ratio(active, 1, budget) > ratio(active, 2, budget) > ratio(active, 4, budget)
+    assert ratio(3, 1) > 2
+    one, four = rows[3, "random_search_m1_charged"], rows[3, "random_search_m4_charged"]
+    assert one["dp_minus_gain"] - four["dp_minus_gain"] > 2 * four["dp_minus_gain_std"]
+    for budget in ("charged", "calibrated"):
+        assert ratio(1, 4, budget) >= 2.0
+    assert rows[1, "dp_mixmin"]["gain"] > rows[3, "dp_mixmin"]["gain"] + 0.2
+    assert len(results["seeds"]) >= 3
+    for row in results["summary"]:
+        charged = row["budget"] == "charged" and row["candidates"] > 1
+        assert (row["spent_epsilon"] > 1.4) if charged else (row["spent_epsilon"] <= 1 + 1e-3)
