@@ -78,3 +78,15 @@ def image_demo_config(**overrides) -> ImagePipelineConfig:
     )
     settings.update(overrides)
     return ImagePipelineConfig(**settings)
+
+
+def wiring_check_config(steps: int = 3) -> ImagePipelineConfig:
+    """`image_demo_config` with `steps` steps in every stage (proxies, mixture, pretraining,
+    fine-tuning): the experiments' "tiny" presets, which check the wiring in about a minute."""
+    demo = image_demo_config()
+    short = {
+        name: dataclasses.replace(getattr(demo, name), steps=steps)
+        for name in ("proxy", "pretrain", "finetune")
+    }
+    mixture = dataclasses.replace(demo.mixture, steps=steps, nonprivate_steps=steps)
+    return dataclasses.replace(demo, mixture=mixture, **short)

@@ -158,14 +158,8 @@ def get_config(preset: str = "cpu") -> AblationConfig:
     if preset == "cpu":
         return AblationConfig(pipeline=presets.image_demo_config(), data="digits")
     if preset == "tiny":
-        demo = presets.image_demo_config()
-        short = {
-            name: dataclasses.replace(getattr(demo, name), steps=3)
-            for name in ("proxy", "pretrain", "finetune")
-        }
-        mixture = dataclasses.replace(demo.mixture, steps=3, nonprivate_steps=3)
         return AblationConfig(
-            pipeline=dataclasses.replace(demo, mixture=mixture, **short),
+            pipeline=presets.wiring_check_config(),
             data="digits",
             image_size=8,
             seeds=(0,),

@@ -131,14 +131,8 @@ def get_config(preset: str = "cpu") -> MixMinGapConfig:
     if preset == "cpu":
         return MixMinGapConfig(pipeline=presets.image_demo_config())
     if preset == "tiny":
-        demo = presets.image_demo_config()
-        short = {
-            name: dataclasses.replace(getattr(demo, name), steps=3)
-            for name in ("proxy", "pretrain", "finetune")
-        }
-        mixture = dataclasses.replace(demo.mixture, steps=3, nonprivate_steps=3)
         return MixMinGapConfig(
-            pipeline=dataclasses.replace(demo, mixture=mixture, **short),
+            pipeline=presets.wiring_check_config(),
             conditions=(
                 Condition(mix_fraction=0.3, finetune_steps=3),
                 Condition(mix_fraction=0.5, finetune_steps=3),

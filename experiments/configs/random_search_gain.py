@@ -90,14 +90,8 @@ def get_config(preset: str = "cpu") -> RandomSearchGainConfig:
     if preset == "cpu":
         return RandomSearchGainConfig(pipeline=presets.image_demo_config())
     if preset == "tiny":
-        demo = presets.image_demo_config()
-        short = {
-            name: dataclasses.replace(getattr(demo, name), steps=3)
-            for name in ("proxy", "pretrain", "finetune")
-        }
-        mixture = dataclasses.replace(demo.mixture, steps=3, nonprivate_steps=3)
         return RandomSearchGainConfig(
-            pipeline=dataclasses.replace(demo, mixture=mixture, **short),
+            pipeline=presets.wiring_check_config(),
             candidate_counts=(1, 2, 4),
             active_sources=(3, 1),
             prevalence_scales=(1.0, 1.0),
