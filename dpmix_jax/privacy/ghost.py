@@ -85,7 +85,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dpmix_jax.privacy import summation
+from dpmix_jax.privacy import loose_units, summation
 from dpmix_jax.privacy.clipping import (
     UNIT_ROUNDOFF,
     ClippedGradSum,
@@ -113,8 +113,6 @@ _CPU_CHUNK_EXAMPLES = 2
 # How many times its float32 norm estimate a unit's certified bound must be for the unit to be
 # bounded again in float64 (ordinary inputs: within about 1e-3; see `_BookKeeper.clip_bounds`).
 _LOOSE = 1.25
-# Entries of a loose unit's float64 gradient formed at a time (32 MiB; see `_materialised_square`).
-_BLOCK_ELEMENTS = 2**22
 # Contractions whose rounding the norm bounds account for run in true float32: the bounds assume
 # float32 arithmetic, not the bfloat16 passes (TPU) or TF32 (GPU) of the default precision.
 _EXACT = jax.lax.Precision.HIGHEST
@@ -528,76 +526,6 @@ def _norm_of_square(square: jax.Array) -> jax.Array:
     return jnp.sqrt(square) * (1.0 + 2.0 * UNIT_ROUNDOFF)
 
 
-def _gamma64(n: int) -> float:
-    """γ_n of float64 arithmetic: the relative error bound of n roundings in sequence."""
-    nu = n * 2.0**-53
-    return nu / (1.0 - nu)
-
-
-def _materialised_square(uses: list, sizes: tuple[int, int], triangle: jax.Array) -> jax.Array:
-    """A float32 upper bound of the squared norm of one unit's gradient Σ_uses Σ_t l_t ⊗ r_t of
-    a matrix parameter of layout `sizes` (n, m), from its rows `uses` [((l, side), (r, side))]
-    ((1, T, ·) floats, or (1, T) int ids: one-hot rows) and `triangle` >= Σ_uses Σ_t ||l_t||
-    ||r_t||, by forming the gradient in float64, `_BLOCK_ELEMENTS` entries at a time along its
-    longer axis.
-
-    The products of float32 values are exact in float64, so every entry errs by at most γ_T
-    times its Σ_t |l_t||r_t| (T: all the uses' rows), the whole computed gradient by at most
-    γ_T·triangle in norm: positions that cancel by a factor of 10¹⁰ still get a bound within
-    about 1e-3 of their norm. Its computed squared norm, a sum of N = n·m non-negative
-    roundings, is within γ_N of its own.
-    """
-    n, m = sizes
-    along_left = n >= m
-    longer, shorter = (n, m) if along_left else (m, n)
-    block = max(1, min(longer, _BLOCK_ELEMENTS // shorter))
-    blocks = -(-longer // block)
-
-    def window(x, side, size, start, first):
-        """Columns [start, start + size) of the rows (one-hot for ids) in float64, those below
-        `first` zeroed (the last block overlaps the one before it rather than overrun)."""
-        columns = start + jnp.arange(size)
-        if side == _IDS:
-            return ((x[..., None] == columns) & (columns >= first)).astype(summation.ACCUMULATION)
-        x = summation.wide(jax.lax.dynamic_slice_in_dim(x, start, size, axis=2))
-        return jnp.where(columns >= first, x, 0.0)
-
-    def square_of_block(b):
-        first = b * block
-        start = jnp.minimum(first, longer - block)
-        total = 0.0
-        for (left, left_side), (right, right_side) in uses:
-            if along_left:
-                left = window(left, left_side, block, start, first)
-                right = window(right, right_side, shorter, 0, 0)
-            else:
-                left = window(left, left_side, shorter, 0, 0)
-                right = window(right, right_side, block, start, first)
-            total = total + jnp.einsum("bti,btj->ij", left, right, precision=_EXACT)
-        return jnp.sum(jnp.square(total))
-
-    if blocks == 1:
-        square = square_of_block(0)
-    else:
-        square = jax.lax.fori_loop(
-            0, blocks, lambda b, acc: acc + square_of_block(b), jnp.zeros((), jnp.float64)
-        )
-    rows = sum(use[0][0].shape[1] for use in uses)
-    norm = jnp.sqrt(square * (1.0 + 2.0 * _gamma64(n * m + blocks + 1))) * (1.0 + 2.0**-52)
-    norm = norm + _gamma64(rows + 1) * summation.wide(triangle) * (1.0 + 2.0**-50)
-    # Rounded up into float32: the float64 square, the conversion and the product.
-    square = (jnp.square(norm) * (1.0 + 4.0 * 2.0**-53)).astype(jnp.float32)
-    return square * (1.0 + 4.0 * UNIT_ROUNDOFF)
-
-
-def _unit_rows(x: jax.Array, j: jax.Array) -> jax.Array:
-    """x[j:j + 1] for a traced j, as a masked sum over the units: on a mesh that shards the units,
-    each device sums its own and one small all-reduce follows, where a slice at a traced index
-    would gather the whole array first (exact: the other units add exact zeros)."""
-    chosen = (jnp.arange(x.shape[0]) == j).reshape(-1, *([1] * (x.ndim - 1)))
-    return jnp.sum(jnp.where(chosen, x, jnp.zeros((), x.dtype)), axis=0, keepdims=True)
-
-
 def _masked(x: jax.Array, keep: jax.Array) -> jax.Array:
     """Rows of x where `keep`, exact zeros elsewhere (a where, so that inf and NaN cannot leak)."""
     return jnp.where(keep.reshape(-1, *([1] * (x.ndim - 1))), x, 0)
@@ -658,8 +586,8 @@ class _BookKeeper:
 
         Loose bounds: an `eligible` unit whose bound exceeds both `_LOOSE` times its float32
         norm estimate and `clip_norm` (C': the bound clips it harder than its norm would) has
-        its Gram-form parameters bounded again in float64 (`_float64_squares`), where the
-        rounding of even strongly cancelling positions is negligible.
+        its Gram-form parameters bounded again from their gradients formed in float64
+        (`loose_units`), where the rounding of even strongly cancelling positions is negligible.
 
         Privacy: the bound, and whether a unit is bounded again, are computed from each unit's
         own data (and the public C'), so that no unit changes how another is clipped; they are
@@ -695,45 +623,17 @@ class _BookKeeper:
         bound = jnp.sqrt(jnp.sum(squares, axis=0)) * widen
         return jnp.maximum(bound, jnp.sum(shares, axis=0)).astype(jnp.float32)
 
-    @summation.in_float64
     def _float64_squares(self, gram: list[int], triangles: jax.Array, loose: jax.Array):
-        """(G, U) float32 upper bounds of the squared norms of the Gram-form parameters `gram`
-        (their (G, U) `triangles`: bounds of Σ_t |u_t||v_t| over their uses) of the `loose`
-        units, from their gradients formed in float64 (`_materialised_square`); inf elsewhere.
-
-        A `lax.while_loop` visits the loose units one at a time (no pass without any) and bounds
-        all their parameters at once: one loop and one body, however deep the model is. A loose
-        unit costs about one float64 weight-gradient computation of the Gram-form parameters for
-        its rows (T·n·m per parameter).
-        """
+        """`loose_units.float64_square_bounds` of the Gram-form parameters `gram` (their (G, U)
+        `triangles`: bounds of Σ_t |u_t||v_t| over their uses) of the `loose` units."""
         entries = [list(self.params.values())[i] for i in gram]
         factors = [
-            [((self._factors.get(n, u.left), u.left), (self._factors.get(n, u.right), u.right))
-             for n, u in entry.uses]
+            [tuple((self._factors.get(name, side), side == _IDS) for side in (use.left, use.right))
+             for name, use in entry.uses]
             for entry in entries
         ]  # fmt: skip
         sizes = [(entry.uses[0][1].left_size, entry.uses[0][1].right_size) for entry in entries]
-        order = jnp.argsort(jnp.logical_not(loose), stable=True)  # the loose units first
-
-        def visit(state):
-            step, tight = state
-            j = order[step]
-            bounds = _unit_rows(triangles.T, j)[0]
-            values = [
-                _materialised_square(
-                    [tuple((_unit_rows(x, j), side) for x, side in use) for use in uses],
-                    size,
-                    bound,
-                )
-                for uses, size, bound in zip(factors, sizes, bounds, strict=True)
-            ]
-            chosen = jnp.arange(tight.shape[1]) == j
-            return step + 1, jnp.where(chosen, jnp.stack(values)[:, None], tight)
-
-        unbounded = jnp.full((len(gram), loose.shape[0]), jnp.inf, jnp.float32)
-        init = (jnp.zeros((), jnp.int32), unbounded)
-        count = jnp.sum(loose, dtype=jnp.int32)
-        return jax.lax.while_loop(lambda state: state[0] < count, visit, init)[1]
+        return loose_units.float64_square_bounds(factors, sizes, triangles, loose)
 
     def _outer_bounds(self, entry: _Param) -> tuple[jax.Array, jax.Array, int, jax.Array]:
         """A matrix parameter's (U,) bound of its squared norm, (U,) bound of the magnitudes it

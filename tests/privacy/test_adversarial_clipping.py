@@ -20,7 +20,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpmix_jax.privacy import clipping, ghost
+from dpmix_jax.privacy import clipping, ghost, loose_units
 from dpmix_jax.privacy.ghost import Tape, ghost_clipped_grad_sum, ghost_user_clipped_grad_sum
 from dpmix_jax.train import TrainConfig, engine
 
@@ -287,7 +287,7 @@ def test_loose_units_add_what_the_vmap_path_adds(case, block, monkeypatch):
     # whole gradient when that is shorter). With 16 entries per block, their gradients are formed
     # in 2-4 blocks, the last overlapping the one before it.
     if block is not None:
-        monkeypatch.setattr(ghost, "_BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(loose_units, "BLOCK_ELEMENTS", block)
     taped, params, batch, mask, user_level = _loose_cases()[case]
 
     def contributions(fn):
