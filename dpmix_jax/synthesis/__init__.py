@@ -31,7 +31,11 @@ from dpmix_jax.synthesis import (
     run,
 )
 from dpmix_jax.synthesis.documents import DOCUMENT_SUFFIXES, load_documents, text_default_documents
-from dpmix_jax.synthesis.dp_finetuning import GeneratorTuning
+from dpmix_jax.synthesis.dp_finetuning import (
+    FinetunedGenerator,
+    GeneratorTuning,
+    finetune_generator,
+)
 from dpmix_jax.synthesis.ensemble import TEACHER_KINDS, Ensemble, build_ensemble
 from dpmix_jax.synthesis.finetuned_teachers import TeacherTuning
 from dpmix_jax.synthesis.individual_accounting import ACCOUNTINGS, check_individual_accounting
@@ -59,6 +63,7 @@ __all__ = [
     "REGISTRY",
     "TEACHER_KINDS",
     "Ensemble",
+    "FinetunedGenerator",
     "GeneratorTuning",
     "PublicTextModel",
     "SynthesisResult",
@@ -71,6 +76,7 @@ __all__ = [
     "documents",
     "dp_finetuning",
     "ensemble",
+    "finetune_generator",
     "finetuned_teachers",
     "individual_accounting",
     "load_documents",

@@ -11,10 +11,13 @@ Each training row is the public context the public model reads in `synthesize` (
 model the chat turn with no documents, `ensemble.prompt_layout`) and the public prompt, then a
 document's first tokens and its separator, at most `max_new_tokens` of them: the loss scores those
 alone. Sampling decodes from the same context and prompt, so no fine-tuning at all is the public
-model's own text.
+model's own text. A generator trained once samples any number of texts, after any public prefix:
+documents that begin with their label (public, e.g. a topic) give texts conditioned on it.
 
 API:
     GeneratorTuning(*, lora, steps, batch_size, learning_rate, clip_norm, max_documents_per_user)
+    finetune_generator(documents, model, *, epsilon, delta, prompt, ...) -> FinetunedGenerator
+    FinetunedGenerator.sample(num_samples, *, prefix, key, ...) -> SynthesisResult
     synthesize_finetuned(documents, model, *, epsilon, delta, num_samples, ...) -> SynthesisResult
 """
 
@@ -41,7 +44,7 @@ from dpmix_jax.synthesis.result import SynthesisResult
 from dpmix_jax.train import IndexedData, TrainConfig, Trainer, fit
 from dpmix_jax.train.losses import sequence_log_prob
 
-__all__ = ["GeneratorTuning", "synthesize_finetuned"]
+__all__ = ["FinetunedGenerator", "GeneratorTuning", "finetune_generator", "synthesize_finetuned"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -139,26 +142,145 @@ def _cut(
     return _Sample(tuple(kept), ("private",) * len(kept), reason)
 
 
-def synthesize_finetuned(
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class FinetunedGenerator:
+    """A public model DP-fine-tuned on sensitive documents (`finetune_generator`): sampling from
+    it, any number of texts after any public prefix, costs no further privacy.
+
+    Attributes:
+        model: the public model with the trained adapters merged into its weights.
+        tokenizer: the public model's tokenizer.
+        context: the public token context every training row began with (the public model's
+            context and the prompt).
+        prompt: the public prompt the training rows and every sample start from.
+        max_new_tokens: the document tokens a training row held: the longest sample.
+        epsilon, delta: the target the DP-SGD noise was calibrated to; the accountant's ε for
+            the steps that ran is at most `epsilon`.
+        seeded: whether the training's noise and sampling came from a caller's key.
+        public_record: the settings and counts a reader of the samples may see (a
+            `SynthesisResult`'s fields and `mechanism`).
+        owner_record: what only the data's owner may read: the noise multiplier and sampling
+            rate (functions of the exact unit count), the accountant's exact ε and how many
+            documents were truncated.
+
+    Privacy:
+        The adapted weights are (ε, δ)-DP at the unit level; every sample is post-processing.
+        `owner_record` describes the data exactly and must not be published.
+    """
+
+    model: nnx.Module
+    tokenizer: Any
+    context: tuple[int, ...]
+    prompt: str
+    max_new_tokens: int
+    epsilon: float
+    delta: float
+    seeded: bool
+    public_record: Mapping[str, Any]
+    owner_record: Mapping[str, Any]
+
+    def sample(
+        self,
+        num_samples: int,
+        *,
+        prefix: str = "",
+        key: jax.Array | None = None,
+        temperature: float = 1.0,
+        stop_at_newline: bool = True,
+        batch_size: int = 64,
+    ) -> SynthesisResult:
+        """`num_samples` texts, each the prompt, then the public `prefix`, then what the
+        fine-tuned model writes (at most `max_new_tokens` tokens).
+
+        Args:
+            num_samples: texts to sample.
+            prefix: public text after the prompt that every sample continues (a label the
+                training documents began with, for texts conditioned on it).
+            key: PRNG key of the decoding; None draws a secret one.
+            temperature: the sampling temperature.
+            stop_at_newline: a sample ends at a token holding a newline (else at EOS or the
+                limit).
+            batch_size: samples decoded at once.
+
+        Returns:
+            A `SynthesisResult` (method "dp_finetune", aggregator "dp_sgd", no teachers).
+
+        Raises:
+            ValueError: one line naming the argument.
+
+        Privacy:
+            Post-processing of the (ε, δ)-DP weights: no further cost.
+        """
+        validation.check_steps(num_samples, "num_samples")
+        validation.check_steps(batch_size, "batch_size")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix must be a string, got {type(prefix).__name__}")
+        _check_temperature(temperature)
+        tokenizer = self.tokenizer
+        context = [*self.context, *(tokenizer.encode(prefix) if prefix else [])]
+        positions = self.model.config.n_positions
+        if len(context) + self.max_new_tokens > positions:
+            raise ValueError(
+                f"the prompt's and prefix's {len(context)} tokens and max_new_tokens = "
+                f"{self.max_new_tokens} exceed the model's {positions} positions"
+            )
+        sample_key = randomness.fresh_secret_key() if key is None else key
+        stops = frozenset(public_models.newline_tokens(tokenizer))
+        samples = []
+        # Every chunk decodes the same number of rows (one compiled program); the last one's
+        # extra rows are dropped.
+        rows_per_chunk = min(batch_size, num_samples)
+        prompts = jnp.repeat(jnp.asarray([context], jnp.int32), rows_per_chunk, axis=0)
+        for start in range(0, num_samples, rows_per_chunk):
+            count = min(rows_per_chunk, num_samples - start)
+            sample_key, chunk_key = jax.random.split(sample_key)
+            decoded = generate(
+                self.model,
+                prompts,
+                max_new_tokens=self.max_new_tokens,
+                key=chunk_key,
+                temperature=float(temperature),
+            )
+            samples.extend(
+                _cut(row, eos_id=tokenizer.eos_id, stops=stops, stop_at_newline=stop_at_newline)
+                for row in np.asarray(decoded)[:count]
+            )
+        # A sample that ended at EOS is counted with it and written without it, as
+        # `sample_fields`.
+        kept = [len(x.tokens) - (x.stop_reason == "eos") for x in samples]
+        texts = tuple(
+            self.prompt + prefix + tokenizer.decode(x.tokens[:k])
+            for x, k in zip(samples, kept, strict=True)
+        )
+        generated = sum(len(x.tokens) for x in samples)
+        return SynthesisResult(
+            texts=texts,
+            marked_texts=texts,  # every token is the fine-tuned model's: nothing to mark
+            stop_reasons=tuple(x.stop_reason for x in samples),
+            tokens_generated=generated,
+            steps_with_output=generated,
+            steps_without_output=0,
+            owner_mechanism=dict(self.owner_record),
+            seeded=self.seeded and key is not None,
+            **self.public_record,
+        )
+
+
+def finetune_generator(
     documents: Sequence[Mapping[str, Any]],
     model: public_models.PublicTextModel,
     *,
     epsilon: float,
     delta: float,
-    num_samples: int,
     prompt: str = "",
     key: jax.Array | None = None,
     max_new_tokens: int = 16,
-    temperature: float = 1.0,
-    stop_at_newline: bool = True,
     separator: str = "\n",
-    batch_size: int = 64,
     tuning: GeneratorTuning | None = None,
     allow_large_delta: bool = False,
     on_step: Callable[[int, int], None] | None = None,
-) -> SynthesisResult:
-    """Fine-tunes LoRA adapters of `model` on `documents` with DP-SGD at (ε, δ), then samples
-    `num_samples` texts from the adapted model.
+) -> FinetunedGenerator:
+    """Fine-tunes LoRA adapters of `model` on `documents` with DP-SGD at (ε, δ).
 
     Args:
         documents: as in `synthesize` (with `user` the unit is a user: a step reads up to G of
@@ -166,26 +288,21 @@ def synthesize_finetuned(
         model: the public model and tokenizer.
         epsilon, delta: the budget the DP-SGD noise is calibrated to (PLD accountant); δ must
             be below 1/n for the n units unless `allow_large_delta`.
-        num_samples: texts to sample (any number: sampling costs no privacy).
-        prompt: public text every sample starts from (after the chat turn, for a chat model).
-        key: PRNG key of the noise, the Poisson sampler and the sampling; None (default) draws
-            secret randomness.
-        max_new_tokens: the longest sample, and the document tokens (separator included) a
-            training row holds: longer documents train on their beginning (their number is
-            `owner_mechanism["documents_truncated"]`, an exact count for the owner only).
-        temperature: the sampling temperature.
-        stop_at_newline: a sample ends at a token holding a newline (else at EOS or the limit).
+        prompt: public text every training row and sample starts from (after the chat turn,
+            for a chat model).
+        key: PRNG key of the noise and the Poisson sampler (`synthesize_finetuned` samples
+            with the third of its three splits); None (default) draws secret randomness.
+        max_new_tokens: the document tokens (separator included) a training row holds, and
+            the longest sample: longer documents train on their beginning (their number is
+            `owner_record["documents_truncated"]`, an exact count for the owner only).
         separator: what ends a document in its training row ("\\n" teaches a line per text).
-        batch_size: samples decoded at once.
         tuning: the fine-tuning's settings (default `GeneratorTuning()`).
-        allow_large_delta: accept δ >= 1/n; the result records it.
+        allow_large_delta: accept δ >= 1/n; the generator's records say so.
         on_step: called with (steps done, steps) after every training step.
 
     Returns:
-        A `SynthesisResult` (method "dp_finetune", aggregator "dp_sgd", no teachers: every
-        token is the fine-tuned model's, `num_queries` the DP-SGD steps that ran). Its
-        `epsilon` is the target, which the accountant's ε for the steps that ran
-        (`owner_mechanism["accountant_epsilon"]`) is checked not to exceed.
+        The `FinetunedGenerator`; the accountant's ε for the steps that ran is checked not to
+        exceed the target.
 
     Raises:
         ValueError: one line naming the argument or document.
@@ -195,24 +312,15 @@ def synthesize_finetuned(
         PLD accountant for the steps that ran, at most the target ε. The sampling rate is
         batch_size / n with the exact unit count n, as DP-SGD implementations use it (n treated
         as public); the noise multiplier, the rate and the accountant's exact ε, functions of
-        n, are in the owner's report only. Sampling reads only the adapted weights
-        (post-processing).
+        n, are in the owner's record only.
     """
     epsilon = validation.check_epsilon(epsilon)
     delta = validation.check_delta(delta)
-    validation.check_steps(num_samples, "num_samples")
     validation.check_steps(max_new_tokens, "max_new_tokens")
-    validation.check_steps(batch_size, "batch_size")
     if not isinstance(separator, str) or not separator:
         raise ValueError(f"separator must be a non-empty string, got {separator!r}")
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or not (temperature > 0 and math.isfinite(temperature))
-    ):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     tuning = GeneratorTuning() if tuning is None else tuning
     if not isinstance(tuning, GeneratorTuning):
         raise ValueError(f"tuning must be a GeneratorTuning, got {type(tuning).__name__}")
@@ -247,13 +355,10 @@ def synthesize_finetuned(
         user_ids=np.asarray([unit_index[i] for i in ids]) if user_level else None,
     )
 
-    seeded = key is not None
     noise_key = sampler_rng = None
-    if seeded:  # three independent streams: noise, Poisson sampling, decoding
-        noise_key, sampler_key, sample_key = jax.random.split(key, 3)
+    if key is not None:  # three independent streams: noise, Poisson sampling, decoding
+        noise_key, sampler_key, _ = jax.random.split(key, 3)
         sampler_rng = np.random.default_rng(np.asarray(jax.random.key_data(sampler_key)))
-    else:
-        sample_key = randomness.fresh_secret_key()
     config = TrainConfig(
         steps=tuning.steps,
         batch_size=tuning.batch_size,
@@ -285,39 +390,8 @@ def synthesize_finetuned(
             f"the accountant's ε {spent.epsilon} for the {tuning.steps} steps exceeds the target "
             f"{epsilon}: the noise calibration failed"
         )
-    generator = lora.merge_lora(result.model)
-
-    stops = frozenset(public_models.newline_tokens(tokenizer))
-    samples = []
-    # Every chunk decodes the same number of rows (one compiled program); the last one's extra
-    # rows are dropped.
-    rows_per_chunk = min(batch_size, num_samples)
-    prompts = jnp.repeat(jnp.asarray([context], jnp.int32), rows_per_chunk, axis=0)
-    for start in range(0, num_samples, rows_per_chunk):
-        count = min(rows_per_chunk, num_samples - start)
-        sample_key, chunk_key = jax.random.split(sample_key)
-        decoded = generate(
-            generator,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            key=chunk_key,
-            temperature=float(temperature),
-        )
-        samples.extend(
-            _cut(row, eos_id=tokenizer.eos_id, stops=stops, stop_at_newline=stop_at_newline)
-            for row in np.asarray(decoded)[:count]
-        )
-    # A sample that ended at EOS is counted with it and written without it, as `sample_fields`.
-    kept = [len(x.tokens) - (x.stop_reason == "eos") for x in samples]
-    texts = tuple(
-        prompt + tokenizer.decode(x.tokens[:k]) for x, k in zip(samples, kept, strict=True)
-    )
-    generated = sum(len(x.tokens) for x in samples)
     plan = trainer.plan
-    return SynthesisResult(
-        texts=texts,
-        marked_texts=texts,  # every token is the fine-tuned model's: nothing to mark
-        stop_reasons=tuple(x.stop_reason for x in samples),
+    public_record = dict(
         # The accountant's ε, a function of the sampling rate batch_size / n, is at most the
         # target; the target is the data-independent guarantee a reader may see.
         epsilon=epsilon,
@@ -335,9 +409,6 @@ def synthesize_finetuned(
         documents_in_prompts=len(texts),
         teachers="none",
         context_width=None,
-        tokens_generated=generated,
-        steps_with_output=generated,
-        steps_without_output=0,
         num_queries=tuning.steps,
         teacher_forward_passes=0,
         mechanism={
@@ -350,12 +421,98 @@ def synthesize_finetuned(
             "max_documents_per_user": tuning.max_documents_per_user if user_level else None,
             "accountant": config.accountant,
         },
-        owner_mechanism={
+        allow_large_delta=allow_large_delta,
+    )
+    return FinetunedGenerator(
+        model=lora.merge_lora(result.model),
+        tokenizer=tokenizer,
+        context=tuple(context),
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        epsilon=epsilon,
+        delta=delta,
+        seeded=key is not None,
+        public_record=public_record,
+        owner_record={
             "noise_multiplier": plan.noise_multiplier,
             "sampling_rate": plan.sampling_rate,
             "accountant_epsilon": spent.epsilon,
             "documents_truncated": truncated,
         },
-        allow_large_delta=allow_large_delta,
-        seeded=seeded,
     )
+
+
+def synthesize_finetuned(
+    documents: Sequence[Mapping[str, Any]],
+    model: public_models.PublicTextModel,
+    *,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    prompt: str = "",
+    key: jax.Array | None = None,
+    max_new_tokens: int = 16,
+    temperature: float = 1.0,
+    stop_at_newline: bool = True,
+    separator: str = "\n",
+    batch_size: int = 64,
+    tuning: GeneratorTuning | None = None,
+    allow_large_delta: bool = False,
+    on_step: Callable[[int, int], None] | None = None,
+) -> SynthesisResult:
+    """Fine-tunes LoRA adapters of `model` on `documents` with DP-SGD at (ε, δ)
+    (`finetune_generator`), then samples `num_samples` texts from the adapted model
+    (`FinetunedGenerator.sample`).
+
+    Args:
+        documents, model, epsilon, delta, prompt, max_new_tokens, separator, tuning,
+            allow_large_delta, on_step: as in `finetune_generator`.
+        num_samples: texts to sample (any number: sampling costs no privacy).
+        key: PRNG key of the noise, the Poisson sampler and the sampling (its three splits);
+            None (default) draws secret randomness.
+        temperature, stop_at_newline, batch_size: as in `FinetunedGenerator.sample`.
+
+    Returns:
+        A `SynthesisResult` (method "dp_finetune", aggregator "dp_sgd", no teachers: every
+        token is the fine-tuned model's, `num_queries` the DP-SGD steps that ran). Its
+        `epsilon` is the target, which the accountant's ε for the steps that ran
+        (`owner_mechanism["accountant_epsilon"]`) is checked not to exceed.
+
+    Raises:
+        ValueError: one line naming the argument or document.
+
+    Privacy:
+        As `finetune_generator`; sampling reads only the adapted weights (post-processing).
+    """
+    validation.check_steps(num_samples, "num_samples")
+    validation.check_steps(batch_size, "batch_size")
+    _check_temperature(temperature)
+    generator = finetune_generator(
+        documents,
+        model,
+        epsilon=epsilon,
+        delta=delta,
+        prompt=prompt,
+        key=key,
+        max_new_tokens=max_new_tokens,
+        separator=separator,
+        tuning=tuning,
+        allow_large_delta=allow_large_delta,
+        on_step=on_step,
+    )
+    return generator.sample(
+        num_samples,
+        key=None if key is None else jax.random.split(key, 3)[2],
+        temperature=temperature,
+        stop_at_newline=stop_at_newline,
+        batch_size=batch_size,
+    )
+
+
+def _check_temperature(temperature: Any) -> None:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float)
+        or not (temperature > 0 and math.isfinite(temperature))
+    ):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
