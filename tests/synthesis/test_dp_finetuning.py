@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dpmix_jax import synthesis
+from dpmix_jax.models.gpt2 import generate
 from dpmix_jax.models.lora import LoraConfig
 from dpmix_jax.synthesis import dp_finetuning
 from dpmix_jax.synthesis.dp_finetuning import GeneratorTuning
@@ -180,3 +181,61 @@ def test_bad_settings_are_one_line(llama, overrides, message):  # noqa: F811
 def test_bad_tuning_is_one_line(settings, message):
     with pytest.raises(ValueError, match=message):
         GeneratorTuning(**settings)
+
+
+def test_one_training_samples_what_synthesize_samples_and_any_prefix(llama):  # noqa: F811
+    key = jax.random.key(3)
+    generator = synthesis.finetune_generator(
+        DOCUMENTS, llama, epsilon=2.0, delta=1e-3, max_new_tokens=12, key=key, tuning=FAST
+    )
+    direct = _run(llama, key=key)
+    sampled = generator.sample(5, key=jax.random.split(key, 3)[2])
+    assert sampled.texts == direct.texts and sampled.epsilon == direct.epsilon == 2.0
+    assert sampled.owner_mechanism == direct.owner_mechanism
+    prefixed = generator.sample(7, prefix="Bed 3:", key=jax.random.key(9))
+    assert len(prefixed.texts) == 7 and all(t.startswith("Bed 3:") for t in prefixed.texts)
+    assert prefixed.public_report()["epsilon"] == 2.0  # sampling again costs nothing more
+    assert "num_units" not in prefixed.public_report()
+    assert not generator.sample(2).seeded  # no key: secret decoding
+
+
+def test_a_prefix_is_read_by_the_model_after_the_training_context(llama):  # noqa: F811
+    generator = synthesis.finetune_generator(
+        DOCUMENTS, llama, epsilon=2.0, delta=1e-3, max_new_tokens=6, tuning=FAST
+    )
+    key = jax.random.key(4)
+    texts = generator.sample(3, prefix="Bed 3:", key=key, stop_at_newline=False).texts
+    context = [*generator.context, *llama.tokenizer.encode("Bed 3:")]
+    _, chunk_key = jax.random.split(key)
+    expected = generate(
+        generator.model, jnp.asarray([context] * 3, jnp.int32), max_new_tokens=6, key=chunk_key
+    )
+    decoded = []
+    for row in np.asarray(expected).tolist():
+        cut = row.index(llama.tokenizer.eos_id) if llama.tokenizer.eos_id in row else len(row)
+        decoded.append("Bed 3:" + llama.tokenizer.decode(row[:cut]))
+    assert list(texts) == decoded
+
+
+@pytest.fixture(scope="module")
+def trained(llama):  # noqa: F811
+    return synthesis.finetune_generator(
+        DOCUMENTS, llama, epsilon=2.0, delta=1e-3, max_new_tokens=12, tuning=FAST
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(num_samples=0), "num_samples"),
+        (dict(prefix=3), "prefix must be a string"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(prefix="x " * 300), "exceed the model's"),
+    ],
+)
+def test_bad_sampling_settings_are_one_line(trained, arguments, message):
+    settings = {"num_samples": 2, **arguments}
+    with pytest.raises(ValueError, match=message) as raised:
+        trained.sample(settings.pop("num_samples"), **settings)
+    assert "\n" not in str(raised.value)
