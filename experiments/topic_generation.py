@@ -62,6 +62,8 @@ LABELS = {
     "public": "public model (ε = 0)",
     "nonprivate": "teachers' average (ε = ∞)",
 }
+# The measures whose gap between the references each generator keeps a share of.
+GAP_MEASURES = ("topic_fidelity", "accuracy")
 MEASURES = (
     "accuracy",
     "topic_fidelity",
@@ -417,7 +419,8 @@ def add_forward_ratios(rows: list[dict]) -> None:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Mean and standard deviation over seeds of every measure, per (generator, ε), and the
-    share of the gap between the ε = 0 and ε = ∞ references' mean accuracy it keeps."""
+    share of the gap between the ε = 0 and ε = ∞ references' means it keeps, for topic
+    fidelity and downstream accuracy (`gap_kept`)."""
     groups: dict[tuple[str, float | None], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["generator"], row["target_epsilon"]), []).append(row)
@@ -435,22 +438,23 @@ def summarise(rows: list[dict]) -> list[dict]:
                 {"mean": float(np.mean(values)), "std": float(np.std(values))} if values else None
             )
         summary.append(entry)
-    accuracy = {
-        e["generator"]: e["accuracy"]["mean"]
-        for e in summary
-        if e["target_epsilon"] is None and e["accuracy"] is not None
-    }
-    for entry in summary:
-        gap = None
-        if (
-            {"public", "nonprivate"} <= set(accuracy)
-            and accuracy["nonprivate"] != accuracy["public"]
-            and entry["accuracy"] is not None
-        ):
-            gap = (entry["accuracy"]["mean"] - accuracy["public"]) / (
-                accuracy["nonprivate"] - accuracy["public"]
-            )
-        entry["gap_kept"] = gap
+    for name in GAP_MEASURES:
+        reference = {
+            e["generator"]: e[name]["mean"]
+            for e in summary
+            if e["target_epsilon"] is None and e[name] is not None
+        }
+        for entry in summary:
+            gap = None
+            if (
+                {"public", "nonprivate"} <= set(reference)
+                and reference["nonprivate"] != reference["public"]
+                and entry[name] is not None
+            ):
+                gap = (entry[name]["mean"] - reference["public"]) / (
+                    reference["nonprivate"] - reference["public"]
+                )
+            entry.setdefault("gap_kept", {})[name] = gap
     return summary
 
 
@@ -469,9 +473,9 @@ def markdown(results: dict) -> str:
     lines = [
         f"# {TITLE}",
         "",
-        "| generator | ε target | ε spent | downstream accuracy | share of the gap kept |"
-        " topic fidelity | MAUVE | teacher tokens | distinct-2 | time / teachers' forward |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| generator | ε target | ε spent | topic fidelity | gap kept | downstream accuracy |"
+        " gap kept | MAUVE | teacher tokens | distinct-2 | time / teachers' forward |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {g: i for i, g in enumerate((*config["generators"], *config["references"]))}
     summary = sorted(
@@ -479,14 +483,17 @@ def markdown(results: dict) -> str:
     )
     for entry in summary:
         epsilon = entry["target_epsilon"]
-        gap = entry["gap_kept"]
+        gap = {
+            name: "–" if value is None else f"{value:.2f}"
+            for name, value in entry["gap_kept"].items()
+        }
         ratio = (
             "–" if entry["time_vs_forward"] is None else f"{entry['time_vs_forward']['mean']:.2f}"
         )
         lines.append(
             f"| {LABELS[entry['generator']]} | {'-' if epsilon is None else f'{epsilon:g}'} |"
-            f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'accuracy')} |"
-            f" {'–' if gap is None else f'{gap:.2f}'} | {_cell(entry, 'topic_fidelity')} |"
+            f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'topic_fidelity')} |"
+            f" {gap['topic_fidelity']} | {_cell(entry, 'accuracy')} | {gap['accuracy']} |"
             f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'teacher_share')} |"
             f" {_cell(entry, 'distinct_2')} |"
             f" {ratio} |"
@@ -506,9 +513,10 @@ def markdown(results: dict) -> str:
         f" {config['finetuning']['batch_size']}) on every topic's labelled sentences. Downstream"
         " accuracy: TF-IDF + logistic regression trained on the synthetic lines, tested on"
         f" {tests} real sentences of the other held-out articles (chance"
-        f" {1 / len(config['topics']):.2f}); share of the gap kept: (accuracy - ε = 0's) /"
-        " (ε = ∞'s - ε = 0's), from the means; topic fidelity: the share of synthetic lines a"
-        " classifier trained on the real sentences assigns to their topic; teacher tokens: the"
+        f" {1 / len(config['topics']):.2f}); topic fidelity: the share of synthetic lines a"
+        " classifier trained on the real sentences assigns to their topic (chance"
+        f" {1 / len(config['topics']):.2f}); gap kept: (the measure - ε = 0's) / (ε = ∞'s -"
+        " ε = 0's), from the means, for the measure on its left; teacher tokens: the"
         " share of tokens the teachers released (the rest are the public model's); time /"
         " teachers' forward: seconds per token over the ε = ∞ reference's. Mean ± std over"
         f" {len(config['seeds'])} seeds.",

@@ -62,7 +62,9 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
     assert rows["public"]["teacher_share"] == 0 and rows["nonprivate"]["teacher_share"] == 1
     assert 0 < rows["coordinated"]["unanimous_release_probability"] < 1
     summary = {entry["generator"]: entry for entry in results["summary"]}
-    assert summary["public"]["gap_kept"] == 0 and summary["nonprivate"]["gap_kept"] == 1
+    for name in topic_generation.GAP_MEASURES:
+        assert summary["public"]["gap_kept"][name] == 0
+        assert summary["nonprivate"]["gap_kept"][name] == 1
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == len(rows) * 2 * 4
     assert all(s["text"].startswith(config.prompt) for s in samples), samples
@@ -136,7 +138,8 @@ def test_the_share_of_the_gap_kept_is_taken_from_the_references_means():
     def row(generator, epsilon, seed, accuracy):
         measures = dict.fromkeys(topic_generation.MEASURES, 0.5)
         return {"generator": generator, "target_epsilon": epsilon, "seed": seed,
-                "epsilon": epsilon or 0.0, **measures, "accuracy": accuracy}  # fmt: skip
+                "epsilon": epsilon or 0.0, **measures, "accuracy": accuracy,
+                "topic_fidelity": 1 - accuracy}  # fmt: skip
 
     rows = [
         row("public", None, 0, 0.2), row("public", None, 1, 0.3),
@@ -144,9 +147,12 @@ def test_the_share_of_the_gap_kept_is_taken_from_the_references_means():
         row("coordinated", 1.0, 0, 0.3), row("coordinated", 1.0, 1, 0.4),
     ]  # fmt: skip
     summary = {e["generator"]: e for e in topic_generation.summarise(rows)}
-    assert summary["coordinated"]["gap_kept"] == pytest.approx((0.35 - 0.25) / (0.7 - 0.25))
+    kept = summary["coordinated"]["gap_kept"]
+    assert kept["accuracy"] == pytest.approx((0.35 - 0.25) / (0.7 - 0.25))
+    assert kept["topic_fidelity"] == pytest.approx((0.65 - 0.75) / (0.3 - 0.75))
     assert summary["coordinated"]["accuracy"] == pytest.approx({"mean": 0.35, "std": 0.05})
-    assert topic_generation.summarise(rows[4:])[0]["gap_kept"] is None  # no references
+    no_references = topic_generation.summarise(rows[4:])[0]["gap_kept"]
+    assert no_references == {"topic_fidelity": None, "accuracy": None}
 
 
 @pytest.mark.parametrize(
