@@ -39,6 +39,7 @@ from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import SEEDED_NOTE, audit, randomness
 from dpmix_jax.synthesis import public_models, quality
 from dpmix_jax.synthesis.ensemble import build_unit_ensemble
+from dpmix_jax.synthesis.registry import OWN_SETTINGS
 from experiments.common_args import experiment_main
 from experiments.configs import generation_audit as configs
 from experiments.harness import Command, finish
@@ -153,12 +154,17 @@ def generate(config, model, documents, ensemble, generator: str, epsilon, key) -
         )
         texts, spent, teacher_share = list(result.texts), result.epsilon, None
     else:
+        # InvisibleInk's own setting gives every text a disjoint batch of teachers: at most
+        # one text per teacher.
+        num_texts = config.num_texts
+        if generator in OWN_SETTINGS:
+            num_texts = min(num_texts, config.num_canaries)
         result = synthesis.synthesize_with(
             ensemble(),
             model,
             epsilon=epsilon,
             delta=config.delta,
-            num_samples=config.num_texts,
+            num_samples=num_texts,
             method=generator,
             prompt=config.canary_prefix,
             key=key,

@@ -34,7 +34,8 @@ class GenerationAuditConfig:
         delta: δ of each run and of the audit's bound.
         num_canaries: m canaries, one per teacher (so m teachers).
         fillers_per_teacher: real sentences (BBC topics) after a teacher's canary.
-        num_texts: texts each generator writes from the canaries' prefix.
+        num_texts: texts each generator writes from the canaries' prefix (InvisibleInk in its
+            own setting, one disjoint batch of teachers per text: at most one per teacher).
         max_new_tokens: the longest text.
         canary_prefix: the canaries' shared beginning, and every text's public prompt.
         public_candidates: Hot PATE's public candidate set.

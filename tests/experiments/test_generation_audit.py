@@ -97,9 +97,15 @@ def test_a_canary_scores_each_of_its_words_in_each_text():
 
 
 def test_a_tiny_audit_runs_every_generator_and_resumes(tmp_path, monkeypatch, model_folder):  # noqa: F811
-    config = dataclasses.replace(configs.get_config("tiny"), model=model_folder, context_width=128)
+    config = dataclasses.replace(
+        configs.get_config("tiny"), model=model_folder, context_width=128, num_texts=12
+    )
     first = generation_audit.main(config, tmp_path, reproducible=True)
     rows = {row["generator"]: row for row in first["rows"]}
+    # InvisibleInk's own setting writes one text per teacher at most: 8 of the 12.
+    samples = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert sum('"invisibleink_disjoint"' in line for line in samples) == 8
+    assert sum('"coordinated"' in line for line in samples) == 12
     assert set(rows) == {*configs.GENERATORS, *generation_audit.REFERENCES}
     for name, row in rows.items():
         assert row["epsilon_lower_bound"] >= 0, name
