@@ -403,7 +403,8 @@ def main(
 
 def add_forward_ratios(rows: list[dict]) -> None:
     """Adds to every row `time_vs_forward`: its seconds per token over those of the same
-    seed's ε = ∞ reference, which only runs the teachers' forward passes and samples."""
+    seed's ε = ∞ reference, which only runs the teachers' forward passes and samples (None for
+    DP fine-tuning, whose time is mostly its training)."""
     floor = {
         r["seed"]: r["seconds"] / max(r["tokens"], 1)
         for r in rows
@@ -412,7 +413,7 @@ def add_forward_ratios(rows: list[dict]) -> None:
     for row in rows:
         row["time_vs_forward"] = (
             row["seconds"] / max(row["tokens"], 1) / floor[row["seed"]]
-            if row["seed"] in floor
+            if row["seed"] in floor and row["generator"] != synthesis.DP_FINETUNE
             else None
         )
 

@@ -59,6 +59,8 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
         assert 0 < rows[name]["epsilon"] <= 5.0 * (1 + 1e-9), name
         assert 0 <= rows[name]["teacher_tokens"] <= rows[name]["tokens"] <= 2 * 4 * 4, name
     assert rows["dp_finetune"]["epsilon"] == 5.0 and rows["dp_finetune"]["teacher_share"] is None
+    assert rows["dp_finetune"]["time_vs_forward"] is None  # its time is its training's
+    assert rows["nonprivate"]["time_vs_forward"] == 1 and rows["coordinated"]["time_vs_forward"] > 0
     assert rows["public"]["teacher_share"] == 0 and rows["nonprivate"]["teacher_share"] == 1
     assert 0 < rows["coordinated"]["unanimous_release_probability"] < 1
     summary = {entry["generator"]: entry for entry in results["summary"]}
