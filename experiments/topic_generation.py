@@ -475,8 +475,8 @@ def markdown(results: dict) -> str:
         f"# {TITLE}",
         "",
         "| generator | ε target | ε spent | topic fidelity | gap kept | downstream accuracy |"
-        " gap kept | MAUVE | teacher tokens | distinct-2 | time / teachers' forward |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        " gap kept | MAUVE | teacher tokens | distinct-2 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {g: i for i, g in enumerate((*config["generators"], *config["references"]))}
     summary = sorted(
@@ -488,16 +488,12 @@ def markdown(results: dict) -> str:
             name: "–" if value is None else f"{value:.2f}"
             for name, value in entry["gap_kept"].items()
         }
-        ratio = (
-            "–" if entry["time_vs_forward"] is None else f"{entry['time_vs_forward']['mean']:.2f}"
-        )
         lines.append(
             f"| {LABELS[entry['generator']]} | {'-' if epsilon is None else f'{epsilon:g}'} |"
             f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'topic_fidelity')} |"
             f" {gap['topic_fidelity']} | {_cell(entry, 'accuracy')} | {gap['accuracy']} |"
             f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'teacher_share')} |"
             f" {_cell(entry, 'distinct_2')} |"
-            f" {ratio} |"
         )
     tests = sum(results["test_sentences"].values())
     lines += [
@@ -518,8 +514,8 @@ def markdown(results: dict) -> str:
         " classifier trained on the real sentences assigns to their topic (chance"
         f" {1 / len(config['topics']):.2f}); gap kept: (the measure - ε = 0's) / (ε = ∞'s -"
         " ε = 0's), from the means, for the measure on its left; teacher tokens: the"
-        " share of tokens the teachers released (the rest are the public model's); time /"
-        " teachers' forward: seconds per token over the ε = ∞ reference's. Mean ± std over"
+        " share of tokens the teachers released (the rest are the public model's). Mean ± std"
+        " over"
         f" {len(config['seeds'])} seeds.",
         SEEDED_NOTE if results.get("noise_seeded") else "Partitions, samplers and noise secret.",
     ]
