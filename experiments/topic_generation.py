@@ -516,7 +516,7 @@ def markdown(results: dict) -> str:
         " ε = 0's), from the means, for the measure on its left; teacher tokens: the"
         " share of tokens the teachers released (the rest are the public model's). Mean ± std"
         " over"
-        f" {len(config['seeds'])} seeds.",
+        f" {len(config['seeds'])} seed{'s' if len(config['seeds']) > 1 else ''}.",
         SEEDED_NOTE if results.get("noise_seeded") else "Partitions, samplers and noise secret.",
     ]
     return "\n".join(lines)
