@@ -345,7 +345,7 @@ def markdown(results: dict) -> str:
         )
     lines += [
         "",
-        f"Setting: {results['model']}; {config['num_canaries']} canaries"
+        f"Setting: public model {config['model']}; {config['num_canaries']} canaries"
         f" ({config['canary_prefix']!r} and two rare words), each first in its own teacher's"
         f" context, included with probability 1/2 ({included} were); {config['num_texts']}"
         f" texts of at most {config['max_new_tokens']} tokens per run; ε lower bound: the"

@@ -498,7 +498,7 @@ def markdown(results: dict) -> str:
     tests = sum(results["test_sentences"].values())
     lines += [
         "",
-        f"Setting: {results['model']}; {len(config['topics'])} BBC topics; per topic"
+        f"Setting: public model {config['model']}; {len(config['topics'])} BBC topics; per topic"
         f" {config['num_teachers']} in-context teachers ({config['context_width']}-token"
         " contexts) share the sentences of half of the topic's held-out articles (one sentence"
         f" is one unit); every generator writes {config['lines_per_topic']} lines of at most"
@@ -554,7 +554,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
         ax.set_xticks(config["epsilons"], [f"{e:g}" for e in config["epsilons"]])
     axes[0].legend(fontsize=7)
     fig.suptitle(
-        f"{results['model']}: topic-conditioned lines, {config['num_teachers']} teachers per"
+        f"{config['model']}: topic-conditioned lines, {config['num_teachers']} teachers per"
         f" topic; error bars: std over {len(config['seeds'])} seeds",
         fontsize=10,
     )
