@@ -465,12 +465,22 @@ def synthesize_finetuned(
     (`FinetunedGenerator.sample`).
 
     Args:
-        documents, model, epsilon, delta, prompt, max_new_tokens, separator, tuning,
-            allow_large_delta, on_step: as in `finetune_generator`.
+        documents: as in `finetune_generator`.
+        model: as in `finetune_generator`.
+        epsilon: as in `finetune_generator`.
+        delta: as in `finetune_generator`.
         num_samples: texts to sample (any number: sampling costs no privacy).
+        prompt: as in `finetune_generator`.
         key: PRNG key of the noise, the Poisson sampler and the sampling (its three splits);
             None (default) draws secret randomness.
-        temperature, stop_at_newline, batch_size: as in `FinetunedGenerator.sample`.
+        max_new_tokens: as in `finetune_generator`.
+        temperature: as in `FinetunedGenerator.sample`.
+        stop_at_newline: as in `FinetunedGenerator.sample`.
+        separator: as in `finetune_generator`.
+        batch_size: as in `FinetunedGenerator.sample`.
+        tuning: as in `finetune_generator`.
+        allow_large_delta: as in `finetune_generator`.
+        on_step: as in `finetune_generator`.
 
     Returns:
         A `SynthesisResult` (method "dp_finetune", aggregator "dp_sgd", no teachers: every
