@@ -42,8 +42,8 @@ from dpmix_jax.synthesis.ensemble import build_unit_ensemble
 from dpmix_jax.synthesis.registry import OWN_SETTINGS
 from experiments.common_args import experiment_main
 from experiments.configs import generation_audit as configs
-from experiments.harness import Command, finish
-from experiments.run_files import read_stage, write_stage
+from experiments.harness import Command, finish, progress_log
+from experiments.run_files import read_stage, write_samples, write_stage
 
 CONTROL = "single_teacher"
 AVERAGE = "nonprivate"
@@ -244,10 +244,7 @@ def main(
     back from `out/stages`. Without `reproducible` the generators' randomness is secret (the
     canaries and their inclusion always come from `config.seed`: the auditor knows them)."""
     start = time.time()
-
-    def log(message: str) -> None:
-        if config.progress:
-            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+    log = progress_log(config.progress, start)
 
     stages = None if out is None else pathlib.Path(out) / "stages"
     model = synthesis.load_public_model(config.model, stages=stages, log=log)
@@ -318,10 +315,7 @@ def main(
         "provenance": provenance(),
     }
     if out is not None:
-        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
-        with (pathlib.Path(out) / "samples.jsonl").open("w") as f:
-            for sample in samples:
-                f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        write_samples(out, samples)
     return finish(out, results, markdown(results))
 
 

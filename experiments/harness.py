@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -114,6 +115,17 @@ class Command:
         except UsageError as err:
             parser.error(str(err))
         return self.run(with_common_options(config, args), args)
+
+
+def progress_log(enabled: bool, start: float) -> Callable[[str], None]:
+    """A progress printer for an experiment's run: each line prefixed by the seconds since
+    `start` (a `time.time()`), printed only when `enabled` (the config's `progress`)."""
+
+    def log(message: str) -> None:
+        if enabled:
+            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+
+    return log
 
 
 def finish(

@@ -57,7 +57,7 @@ from dpmix_jax.pipeline.compare import provenance  # noqa: E402
 from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import hot_pate_ablations as configs  # noqa: E402
-from experiments.harness import Command, finish  # noqa: E402
+from experiments.harness import Command, finish, progress_log  # noqa: E402
 
 TITLE = "Hot PATE ablations: temperature, aggregators, privacy cost, API-only teachers"
 SAMPLERS = ("coordinated", "independent")
@@ -635,10 +635,7 @@ def main(
 ) -> dict:
     """Runs the six parts; returns (and, with `out`, writes) the results."""
     start = time.time()
-
-    def log(message: str) -> None:
-        if config.progress:
-            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+    log = progress_log(config.progress, start)
 
     key = randomness.prng_key(config.seed if reproducible else randomness.secret_seed())
     results: dict = {"config": dataclasses.asdict(config)}

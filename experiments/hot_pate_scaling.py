@@ -41,7 +41,7 @@ from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from dpmix_jax.privacy import accounting as privacy_accounting  # noqa: E402
 from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import hot_pate_scaling as configs  # noqa: E402
-from experiments.harness import Command, finish  # noqa: E402
+from experiments.harness import Command, finish, progress_log  # noqa: E402
 
 TITLE = "Hot PATE scaling: queries within a budget against n, and histogram shape"
 SAMPLERS = {
@@ -249,10 +249,7 @@ def main(
 ) -> dict:
     """Runs both parts; returns (and, with `out`, writes) the results."""
     start = time.time()
-
-    def log(message: str) -> None:
-        if config.progress:
-            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+    log = progress_log(config.progress, start)
 
     key = randomness.prng_key(config.seed if reproducible else randomness.secret_seed())
     results: dict = {"config": dataclasses.asdict(config)}

@@ -40,6 +40,16 @@ def write_results(
         (out / f"{name}.md").write_text(markdown.rstrip("\n") + "\n")
 
 
+def write_samples(out: pathlib.Path, samples: list[dict[str, Any]]) -> None:
+    """Writes every generated text's record, one JSON object a line, to `out/samples.jsonl`,
+    creating `out`."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "samples.jsonl").open("w") as f:
+        for sample in samples:
+            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+
+
 def read_stage(path: pathlib.Path) -> dict[str, Any]:
     """A finished run stored by `write_stage`; one line naming the file if it is damaged."""
     try:

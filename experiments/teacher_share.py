@@ -30,8 +30,8 @@ from dpmix_jax.pipeline.compare import provenance
 from dpmix_jax.privacy import randomness
 from experiments.common_args import experiment_main
 from experiments.configs import teacher_share as configs
-from experiments.harness import Command, finish
-from experiments.run_files import read_stage, write_stage
+from experiments.harness import Command, finish, progress_log
+from experiments.run_files import read_stage, write_samples, write_stage
 
 
 def run_key(
@@ -87,10 +87,7 @@ def main(
     back from `out/stages`. Without `reproducible` the partitions, samplers and noise are
     secret."""
     start = time.time()
-
-    def log(message: str) -> None:
-        if config.progress:
-            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+    log = progress_log(config.progress, start)
 
     stages = None if out is None else pathlib.Path(out) / "stages"
     model = synthesis.load_public_model(config.model, stages=stages, log=log)
@@ -157,10 +154,7 @@ def main(
         "provenance": provenance(),
     }
     if out is not None:
-        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
-        with (pathlib.Path(out) / "samples.jsonl").open("w") as f:
-            for sample in samples:
-                f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        write_samples(out, samples)
     return finish(out, results, markdown(results), plots={"teacher_share.png": plot})
 
 

@@ -43,7 +43,8 @@ from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from dpmix_jax.synthesis import public_models, quality  # noqa: E402
 from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import text_peers as configs  # noqa: E402
-from experiments.harness import Command, finish  # noqa: E402
+from experiments.harness import Command, finish, progress_log  # noqa: E402
+from experiments.run_files import write_samples  # noqa: E402
 
 TITLE = "Private text generators head to head: topic-conditioned lines on the BBC domains"
 # Each private method's name in `synthesis.METHODS`.
@@ -324,10 +325,7 @@ def main(
     Without `reproducible`, partitions, samplers and noise are secret.
     """
     start = time.time()
-
-    def log(message: str) -> None:
-        if config.progress:
-            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+    log = progress_log(config.progress, start)
 
     stages = None if out is None else out / "stages"
     model = public_models.text_default_model(stages, config.model, log=log)
@@ -559,14 +557,6 @@ def markdown(config: configs.TextPeersConfig, results: dict) -> str:
         SEEDED_NOTE if results.get("noise_seeded") else "Partitions, samplers and noise secret.",
     ]
     return "\n".join(lines)
-
-
-def write_samples(out: pathlib.Path, samples: list[dict]) -> None:
-    """Writes every generated line, one JSON object a line, to `out/samples.jsonl`."""
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "samples.jsonl").open("w") as f:
-        for sample in samples:
-            f.write(json.dumps(sample, ensure_ascii=False) + "\n")
 
 
 def plot(results: dict, path: pathlib.Path) -> None:

@@ -51,8 +51,8 @@ from dpmix_jax.privacy import SEEDED_NOTE, randomness  # noqa: E402
 from dpmix_jax.synthesis import public_models, quality  # noqa: E402
 from experiments.common_args import experiment_main  # noqa: E402
 from experiments.configs import topic_generation as configs  # noqa: E402
-from experiments.harness import Command, finish  # noqa: E402
-from experiments.run_files import read_stage, write_stage  # noqa: E402
+from experiments.harness import Command, finish, progress_log  # noqa: E402
+from experiments.run_files import read_stage, write_samples, write_stage  # noqa: E402
 
 TITLE = "Private topic-conditioned generation on a pretrained model"
 HOT_PATE = ("coordinated", "independent")
@@ -309,10 +309,7 @@ def main(
     back from `out/stages`. Without `reproducible` the partitions, samplers and noise are
     secret."""
     start = time.time()
-
-    def log(message: str) -> None:
-        if config.progress:
-            print(f"[{time.time() - start:5.0f}s] {message}", flush=True)
+    log = progress_log(config.progress, start)
 
     stages = None if out is None else pathlib.Path(out) / "stages"
     model = synthesis.load_public_model(config.model, stages=stages, log=log)
@@ -394,10 +391,7 @@ def main(
         "provenance": provenance(),
     }
     if out is not None:
-        pathlib.Path(out).mkdir(parents=True, exist_ok=True)
-        with (pathlib.Path(out) / "samples.jsonl").open("w") as f:
-            for sample in samples:
-                f.write(json.dumps(sample, ensure_ascii=False) + "\n")
+        write_samples(out, samples)
     return finish(out, results, markdown(results), plots={"topic_generation.png": plot})
 
 
