@@ -199,29 +199,26 @@ def test_one_training_samples_what_synthesize_samples_and_any_prefix(llama):  # 
     assert not generator.sample(2).seeded  # no key: secret decoding
 
 
-def test_a_prefix_is_read_by_the_model_after_the_training_context(llama):  # noqa: F811
-    generator = synthesis.finetune_generator(
-        DOCUMENTS, llama, epsilon=2.0, delta=1e-3, max_new_tokens=6, tuning=FAST
+@pytest.fixture(scope="module")
+def trained(llama):  # noqa: F811
+    return synthesis.finetune_generator(
+        DOCUMENTS, llama, epsilon=2.0, delta=1e-3, max_new_tokens=12, tuning=FAST
     )
+
+
+def test_a_prefix_is_read_by_the_model_after_the_training_context(trained, llama):  # noqa: F811
     key = jax.random.key(4)
-    texts = generator.sample(3, prefix="Bed 3:", key=key, stop_at_newline=False).texts
-    context = [*generator.context, *llama.tokenizer.encode("Bed 3:")]
+    texts = trained.sample(3, prefix="Bed 3:", key=key, stop_at_newline=False).texts
+    context = [*trained.context, *llama.tokenizer.encode("Bed 3:")]
     _, chunk_key = jax.random.split(key)
     expected = generate(
-        generator.model, jnp.asarray([context] * 3, jnp.int32), max_new_tokens=6, key=chunk_key
+        trained.model, jnp.asarray([context] * 3, jnp.int32), max_new_tokens=12, key=chunk_key
     )
     decoded = []
     for row in np.asarray(expected).tolist():
         cut = row.index(llama.tokenizer.eos_id) if llama.tokenizer.eos_id in row else len(row)
         decoded.append("Bed 3:" + llama.tokenizer.decode(row[:cut]))
     assert list(texts) == decoded
-
-
-@pytest.fixture(scope="module")
-def trained(llama):  # noqa: F811
-    return synthesis.finetune_generator(
-        DOCUMENTS, llama, epsilon=2.0, delta=1e-3, max_new_tokens=12, tuning=FAST
-    )
 
 
 @pytest.mark.parametrize(
