@@ -5,7 +5,8 @@ m canary documents share a public prefix ("My secret code is") and each ends in 
 of its own. Canary i is included with probability 1/2; teacher i reads it first (if included),
 then a few real sentences of its own (one teacher per unit,
 `synthesis.ensemble.build_unit_ensemble`), so the canary's presence changes one teacher's
-context and nothing else: a change every teacher method's analysis covers. Every generator
+context and nothing else: a change every teacher method's analysis covers (for DP
+fine-tuning, a change within one user: twice its add-or-remove ε, a larger δ). Every generator
 writes `num_texts` texts from the prefix (the teacher methods through
 `synthesis.synthesize_with` at the claimed ε; DP fine-tuning trains on every teacher's
 documents, each teacher's a user, then samples after the prefix).

@@ -154,18 +154,18 @@ class FinetunedGenerator:
             context and the prompt).
         prompt: the public prompt the training rows and every sample start from.
         max_new_tokens: the document tokens a training row held: the longest sample.
-        epsilon, delta: the target the DP-SGD noise was calibrated to; the accountant's ε for
-            the steps that ran is at most `epsilon`.
         seeded: whether the training's noise and sampling came from a caller's key.
-        public_record: the settings and counts a reader of the samples may see (a
-            `SynthesisResult`'s fields and `mechanism`).
-        owner_record: what only the data's owner may read: the noise multiplier and sampling
-            rate (functions of the exact unit count), the accountant's exact ε and how many
-            documents were truncated.
+        result_fields: the `SynthesisResult` fields every sample shares: the settings, ε and
+            δ, and the exact counts `num_units` and `documents_in_prompts`, which the result's
+            `public_report` leaves out (owner only).
+        owner_mechanism: what only the data's owner may read: the noise multiplier and
+            sampling rate (functions of the exact unit count), the accountant's exact ε and
+            how many documents were truncated.
 
     Privacy:
         The adapted weights are (ε, δ)-DP at the unit level; every sample is post-processing.
-        `owner_record` describes the data exactly and must not be published.
+        `owner_mechanism` and the exact counts in `result_fields` describe the data and must
+        not be published: publish a sample's `public_report()`.
     """
 
     model: nnx.Module
@@ -173,11 +173,14 @@ class FinetunedGenerator:
     context: tuple[int, ...]
     prompt: str
     max_new_tokens: int
-    epsilon: float
-    delta: float
     seeded: bool
-    public_record: Mapping[str, Any]
-    owner_record: Mapping[str, Any]
+    result_fields: Mapping[str, Any]
+    owner_mechanism: Mapping[str, Any]
+
+    @property
+    def epsilon(self) -> float:
+        """The target ε the noise was calibrated to (the accountant's is at most it)."""
+        return self.result_fields["epsilon"]
 
     def sample(
         self,
@@ -195,7 +198,8 @@ class FinetunedGenerator:
         Args:
             num_samples: texts to sample.
             prefix: public text after the prompt that every sample continues (a label the
-                training documents began with, for texts conditioned on it).
+                training documents began with, for texts conditioned on it). It is tokenized
+                on its own: end it where a word ends, as the label does in the documents.
             key: PRNG key of the decoding; None draws a secret one.
             temperature: the sampling temperature.
             stop_at_newline: a sample ends at a token holding a newline (else at EOS or the
@@ -260,9 +264,9 @@ class FinetunedGenerator:
             tokens_generated=generated,
             steps_with_output=generated,
             steps_without_output=0,
-            owner_mechanism=dict(self.owner_record),
+            owner_mechanism=dict(self.owner_mechanism),
             seeded=self.seeded and key is not None,
-            **self.public_record,
+            **self.result_fields,
         )
 
 
@@ -294,7 +298,7 @@ def finetune_generator(
             with the third of its three splits); None (default) draws secret randomness.
         max_new_tokens: the document tokens (separator included) a training row holds, and
             the longest sample: longer documents train on their beginning (their number is
-            `owner_record["documents_truncated"]`, an exact count for the owner only).
+            `owner_mechanism["documents_truncated"]`, an exact count for the owner only).
         separator: what ends a document in its training row ("\\n" teaches a line per text).
         tuning: the fine-tuning's settings (default `GeneratorTuning()`).
         allow_large_delta: accept δ >= 1/n; the generator's records say so.
@@ -391,7 +395,7 @@ def finetune_generator(
             f"{epsilon}: the noise calibration failed"
         )
     plan = trainer.plan
-    public_record = dict(
+    result_fields = dict(
         # The accountant's ε, a function of the sampling rate batch_size / n, is at most the
         # target; the target is the data-independent guarantee a reader may see.
         epsilon=epsilon,
@@ -429,11 +433,9 @@ def finetune_generator(
         context=tuple(context),
         prompt=prompt,
         max_new_tokens=max_new_tokens,
-        epsilon=epsilon,
-        delta=delta,
         seeded=key is not None,
-        public_record=public_record,
-        owner_record={
+        result_fields=result_fields,
+        owner_mechanism={
             "noise_multiplier": plan.noise_multiplier,
             "sampling_rate": plan.sampling_rate,
             "accountant_epsilon": spent.epsilon,

@@ -1,6 +1,6 @@
 """Settings of the canary audit of every private text generator.
 
-Run (about 20 minutes on 2 CPU cores, resumable: finished runs are stored under `--out`'s
+Run (about 35 minutes on 2 shared CPU cores, resumable: finished runs are stored under `--out`'s
 stages):
     python -m experiments.generation_audit --out runs/generation_audit --reproducible
 

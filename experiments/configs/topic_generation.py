@@ -1,8 +1,8 @@
 """Settings of private topic-conditioned generation on a pretrained model: every generator
 against the public model alone and the teachers' average, on the BBC topics.
 
-Run (about two hours on 2 CPU cores, resumable: finished runs are stored under `--out`'s
-stages):
+Run (about 85 minutes a seed on 2 shared CPU cores, resumable: finished runs are stored
+under `--out`'s stages):
     python -m experiments.topic_generation --out runs/topic_generation --reproducible
 
 For each of the five BBC topics of the text default, the sentences of half of its held-out
