@@ -65,6 +65,7 @@ def generate(config, model, ensemble, generator, key) -> dict:
         method=generator.method,
         key=key,
         public_candidates=generator.public_candidates,
+        min_unanimous_release=0.0,  # the study measures the share below the floor too
     )
     return {
         "texts": [t.strip() for t in result.texts],

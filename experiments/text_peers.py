@@ -155,6 +155,7 @@ def private_run(
             max_new_tokens=config.max_new_tokens,
             temperature=config.temperature,
             separator=SEPARATOR,
+            min_unanimous_release=0.0,  # the head-to-head keeps the small-n setting it records
             **_teachers(config),
         )
         seconds += time.perf_counter() - start

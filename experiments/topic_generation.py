@@ -61,6 +61,7 @@ LABELS = {
     synthesis.DP_FINETUNE: "DP fine-tuning (DP-LoRA)",
     "public": "public model (ε = 0)",
     "nonprivate": "teachers' average (ε = ∞)",
+    "real": "real sentences (the data, cut to a line's length)",
 }
 # The measures whose gap between the references each generator keeps a share of.
 GAP_MEASURES = ("topic_fidelity", "accuracy")
@@ -161,6 +162,7 @@ def teacher_run(config, model, ensembles, generator: str, epsilon: float, key) -
             prompt=config.prompt,
             key=jax.random.fold_in(key, index),
             public_candidates=config.public_candidates if generator in HOT_PATE else None,
+            min_unanimous_release=0.0,  # recorded per run (unanimous_release_probability)
         )
         seconds += time.perf_counter() - start
         lines += [text.strip() for text in result.texts]
@@ -294,6 +296,38 @@ def measure(config, run: dict, data: dict[str, TopicData], featurize) -> dict:
     }
 
 
+def real_run(config, model, data: dict[str, TopicData], key) -> dict:
+    """The data itself: `lines_per_topic` of each topic's sensitive sentences drawn at random,
+    each cut to its first `max_new_tokens` tokens. It is what the measures give lines of this
+    number and length that are real, the ceiling a generator could reach.
+
+    Privacy: not private (ε = ∞): the sensitive sentences themselves, a reference only.
+    """
+    lines, labels, tokens = [], [], 0
+    for index, topic in enumerate(config.topics):
+        documents = data[topic].documents
+        drawn = jax.random.choice(
+            jax.random.fold_in(key, index),
+            len(documents),
+            (min(config.lines_per_topic, len(documents)),),
+            replace=False,
+        )
+        for document in drawn.tolist():
+            ids = model.tokenizer.encode(documents[document]["text"])[: config.max_new_tokens]
+            lines.append(model.tokenizer.decode(ids).strip())
+            labels.append(topic)
+            tokens += len(ids)
+    return {
+        "lines": lines,
+        "labels": labels,
+        "epsilon": float("inf"),
+        "tokens": tokens,
+        "teacher_tokens": None,
+        "seconds": 0.0,
+        "unanimous_release_probability": None,
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # The study.
 # --------------------------------------------------------------------------------------------
@@ -351,6 +385,8 @@ def main(
                 run_key = jax.random.fold_in(key, index + 1)
                 if generator == synthesis.DP_FINETUNE:
                     run = finetune_run(config, model, data, epsilon, run_key)
+                elif generator == "real":
+                    run = real_run(config, model, data, run_key)
                 elif epsilon is None:
                     run = reference_run(config, model, shared_ensembles(), generator, run_key)
                 else:
@@ -398,7 +434,7 @@ def main(
 def add_forward_ratios(rows: list[dict]) -> None:
     """Adds to every row `time_vs_forward`: its seconds per token over those of the same
     seed's ε = ∞ reference, which only runs the teachers' forward passes and samples (None for
-    DP fine-tuning, whose time is mostly its training)."""
+    DP fine-tuning, whose time is mostly its training, and for the real sentences)."""
     floor = {
         r["seed"]: r["seconds"] / max(r["tokens"], 1)
         for r in rows
@@ -407,7 +443,7 @@ def add_forward_ratios(rows: list[dict]) -> None:
     for row in rows:
         row["time_vs_forward"] = (
             row["seconds"] / max(row["tokens"], 1) / floor[row["seed"]]
-            if row["seed"] in floor and row["generator"] != synthesis.DP_FINETUNE
+            if row["seed"] in floor and row["generator"] not in (synthesis.DP_FINETUNE, "real")
             else None
         )
 
@@ -508,7 +544,9 @@ def markdown(results: dict) -> str:
         " classifier trained on the real sentences assigns to their topic (chance"
         f" {1 / len(config['topics']):.2f}); gap kept: (the measure - ε = 0's) / (ε = ∞'s -"
         " ε = 0's), from the means, for the measure on its left; teacher tokens: the"
-        " share of tokens the teachers released (the rest are the public model's). Mean ± std"
+        " share of tokens the teachers released (the rest are the public model's); real"
+        " sentences: as many of the teachers' own sentences, cut to a line's length (a ceiling"
+        " for lines of this number and length, not private). Mean ± std"
         " over"
         f" {len(config['seeds'])} seed{'s' if len(config['seeds']) > 1 else ''}.",
         SEEDED_NOTE if results.get("noise_seeded") else "Partitions, samplers and noise secret.",
@@ -539,7 +577,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
                 color=f"C{index}",
                 label=LABELS[generator],
             )
-        for which, style in (("public", ":"), ("nonprivate", "--")):
+        for which, style in (("public", ":"), ("nonprivate", "--"), ("real", "-.")):
             entry = next((e for e in results["summary"] if e["generator"] == which), None)
             if entry is not None:
                 ax.axhline(entry[name]["mean"], color="k", linestyle=style, label=LABELS[which])

@@ -117,6 +117,13 @@ def _large_delta(err: BaseException):
     return err if validation and isinstance(err, validation.LargeDeltaError) else None
 
 
+def _weak_release(err: BaseException):
+    """`err` if it is a `hot_pate_method.WeakReleaseError` (whose module is then loaded), else
+    None."""
+    hot_pate = sys.modules.get("dpmix_jax.pate.hot_pate_method")
+    return err if hot_pate and isinstance(err, hot_pate.WeakReleaseError) else None
+
+
 def _batch_too_large(err: BaseException):
     """`err` if it is a `plan.BatchTooLargeError` (whose module is then loaded), else None."""
     plan = sys.modules.get("dpmix_jax.privacy.plan")
@@ -127,7 +134,8 @@ def _batch_too_large(err: BaseException):
 def in_command_line_terms(override: str | None, batch_options: str | None) -> Iterator[None]:
     """Reports the library's refusals of a setting in the command's own words: δ >= 1/n as
     `argument --delta: ...` naming the `override` flag (None: the command has none), a batch
-    too large for its units naming `batch_options`."""
+    too large for its units naming `batch_options`, Hot PATE's too weak a release naming the
+    command's options."""
     try:
         yield
     except ValueError as err:
@@ -135,4 +143,6 @@ def in_command_line_terms(override: str | None, batch_options: str | None) -> It
             raise ValueError(f"argument --delta: {large.message(override)}") from None
         if batch_options and (batch := _batch_too_large(err)) is not None:
             raise ValueError(batch.message(batch_options)) from None
+        if (weak := _weak_release(err)) is not None:
+            raise ValueError(f"argument --num-teachers: {weak.message(flags=True)}") from None
         raise

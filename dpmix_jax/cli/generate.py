@@ -23,7 +23,8 @@ DEFAULT_MODEL = "smollm2"
 # The exact counts of the sensitive data (owner-only, 0600): never published.
 OWNER_REPORT = "owner_only_report.json"
 TEXT_DEFAULT_MODEL = "text-default"
-DEFAULT_TEACHERS = 32  # teachers on the embedded documents (SmolLM2 on 2 CPU cores)
+DEFAULT_TEACHERS = 128  # teachers on the embedded documents: the fewest powers of two that
+# release a unanimous token with probability >= 0.5 at the default ε, samples and candidates
 DEFAULT_CANDIDATES = 16  # Hot PATE counts the votes for the public model's 16 likeliest tokens
 TEXT_DEFAULT_TEACHERS = 512  # with --model text-default (the Hot PATE experiment's n)
 # What a default run costs (measured with `/usr/bin/time -v dpmix generate` on 2 CPU cores).
@@ -155,6 +156,17 @@ def _add_options(generate: argparse.ArgumentParser) -> None:
         "pick from tens of thousands)",
     )
     generate.add_argument(
+        "--min-unanimous-release",
+        type=float,
+        default=synthesis.MIN_UNANIMOUS_RELEASE,
+        metavar="P",
+        help="Hot PATE (--method coordinated or independent): refuse, before any teacher is "
+        "built, a calibration that releases a token all teachers vote for with probability "
+        "below P (its tokens would be near-uniform picks among the candidates, not the "
+        "teachers' vote); the refusal names the fewest --num-teachers that reach P; 0 accepts "
+        "any",
+    )
+    generate.add_argument(
         "--max-new-tokens", type=int, default=16, metavar="T", help="tokens per sample at most"
     )
     generate.add_argument(
@@ -276,12 +288,20 @@ def _generate(args: argparse.Namespace) -> int:
         validation.check_steps(args.tuning_steps, "argument --tuning-steps")
     _check_individual_arguments(args)
     _public_candidates(args)
+    floor = args.min_unanimous_release
+    if not 0 <= floor <= 1:
+        raise ValueError(f"argument --min-unanimous-release: must be in [0, 1], got {floor:g}")
     peer = not finetuned and args.method not in synthesis.registry.HOT_PATE
-    if peer and args.aggregator != "confident_gnmax":
-        raise ValueError(
-            "argument --aggregator: applies to --method coordinated or independent (the "
-            f"{args.method} method has its own mechanism)"
-        )
+    hot_pate_only = {
+        "--aggregator": args.aggregator != "confident_gnmax",
+        "--min-unanimous-release": floor != synthesis.MIN_UNANIMOUS_RELEASE,
+    }
+    for option, given in hot_pate_only.items():
+        if peer and given:
+            raise ValueError(
+                f"argument {option}: applies to --method coordinated or independent (the "
+                f"{args.method} method has its own mechanism)"
+            )
     if args.documents is not None and args.num_teachers is None and not (individual or finetuned):
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "
@@ -316,6 +336,7 @@ def _check_finetune_arguments(args: argparse.Namespace) -> bool:
         "--context-width": args.context_width is not None,
         "--accounting": args.accounting != "standard",
         "--charges-per-teacher": args.charges_per_teacher is not None,
+        "--min-unanimous-release": args.min_unanimous_release != synthesis.MIN_UNANIMOUS_RELEASE,
     }
     for option, given in teachers_only.items():
         if given:
@@ -461,6 +482,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             allow_large_delta=args.allow_large_delta,
             public_candidates=_public_candidates(args),
             finetuning=finetuning,
+            min_unanimous_release=args.min_unanimous_release,
         )
         bar.total = bar.n  # samples that ended early leave steps unrun
         bar.refresh()
@@ -504,7 +526,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 # report).
 _TEACHER_SETTINGS = (
     "aggregator", "public_candidates", "num_teachers", "context_width", "teachers",
-    "tuning_steps", "accounting", "charges_per_teacher",
+    "tuning_steps", "accounting", "charges_per_teacher", "min_unanimous_release",
 )  # fmt: skip
 _FINETUNE_SETTINGS = ("finetune_steps", "finetune_batch_size")
 
@@ -530,6 +552,7 @@ def _public_settings(args: argparse.Namespace, documents_source: str, model_sour
         "aggregator": args.aggregator,
         "max_new_tokens": args.max_new_tokens,
         "public_candidates": _public_candidates(args),
+        "min_unanimous_release": args.min_unanimous_release,
         "num_teachers": args.num_teachers,
         "context_width": args.context_width,
         "teachers": args.teachers,

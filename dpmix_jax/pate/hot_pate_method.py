@@ -30,7 +30,14 @@ from dpmix_jax.pate.method import Plan, RunSettings, Spent, sample_keys
 from dpmix_jax.privacy import accounting as privacy
 from dpmix_jax.privacy import validation
 
-__all__ = ["AGGREGATORS", "COORDINATED", "INDEPENDENT", "HotPateMethod", "calibrated_config"]
+__all__ = [
+    "AGGREGATORS",
+    "COORDINATED",
+    "INDEPENDENT",
+    "HotPateMethod",
+    "WeakReleaseError",
+    "calibrated_config",
+]
 
 AGGREGATORS = ("confident_gnmax", "dpargmax_laplace", "dpws")
 # Default thresholds as fractions of the n teachers (the Hot PATE experiment's).
@@ -136,6 +143,95 @@ def calibrated_config(
     )
 
 
+_MOST_TEACHERS_SEARCHED = 1 << 20
+
+
+class WeakReleaseError(ValueError):
+    """Hot PATE's calibration releases a token all n teachers vote for with a probability below
+    the run's `min_unanimous_release`: its released tokens would be near-uniform picks among
+    the candidates, not the teachers' vote.
+
+    `str(error)` names the library's settings; a command line shows `message(flags=True)`.
+
+    Attributes:
+        run: the refused settings.
+        num_calls: the aggregator calls the noise is calibrated for.
+        probability: the unanimous token's release probability at those settings.
+        needed: the fewest teachers that reach the floor at the same noise (None: none up to
+            2^20).
+    """
+
+    def __init__(self, run: RunSettings, *, num_calls: int, probability: float, needed: int | None):
+        self.run, self.num_calls = run, num_calls
+        self.probability, self.needed = probability, needed
+        super().__init__(self.message(flags=False))
+
+    def message(self, *, flags: bool) -> str:
+        """The refusal and its remedies, named as the library's arguments or, with `flags`, as
+        `dpmix generate`'s options."""
+        run = self.run
+        teachers = f"at least {self.needed} teachers" if self.needed else "far more teachers"
+        if flags:
+            remedies = (
+                f"{teachers} (--num-teachers), a larger --epsilon, fewer or shorter texts "
+                "(--num-samples, --max-new-tokens), fewer --public-candidates, or a lower "
+                "--min-unanimous-release"
+            )
+        else:
+            remedies = (
+                f"{teachers}, a larger epsilon, fewer or shorter texts, fewer "
+                "public_candidates, or a lower min_unanimous_release"
+            )
+        return (
+            f"at ε = {run.epsilon:g} over {self.num_calls} calls a token all {run.num_teachers} "
+            f"teachers vote for is released with probability {self.probability:.2g}, below "
+            f"the floor of {run.min_unanimous_release:g}: the released tokens would be "
+            f"near-uniform picks, not the teachers' vote; use {remedies}"
+        )
+
+
+def _unanimous_release(
+    config: generation.GenerationConfig, num_teachers: int, num_buckets: int, fraction: float
+) -> float | None:
+    """`aggregators.unanimous_release_probability` of `config`'s noise with `num_teachers`
+    teachers and the threshold at `fraction` of them."""
+    return aggregators.unanimous_release_probability(
+        config.aggregator,
+        num_teachers=num_teachers,
+        num_buckets=num_buckets,
+        threshold=fraction * num_teachers,
+        sigma1=config.sigma1,
+        sigma2=config.sigma2,
+        epsilon=config.epsilon,
+    )
+
+
+def _teachers_for_release(
+    config: generation.GenerationConfig,
+    num_teachers: int,
+    num_buckets: int,
+    fraction: float,
+    floor: float,
+) -> int | None:
+    """The fewest teachers (above `num_teachers`) whose unanimous token `config`'s noise
+    releases with probability at least `floor`, the threshold the same fraction of them; None
+    beyond `_MOST_TEACHERS_SEARCHED`. The noise does not depend on n (one teacher moves one
+    vote), and the probability grows with n, so a doubling and a bisection find it."""
+
+    def enough(n: int) -> bool:
+        return _unanimous_release(config, n, num_buckets, fraction) >= floor
+
+    low, high = num_teachers, min(2 * num_teachers, _MOST_TEACHERS_SEARCHED)
+    while not enough(high):
+        if high >= _MOST_TEACHERS_SEARCHED:
+            return None
+        low, high = high, min(2 * high, _MOST_TEACHERS_SEARCHED)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if enough(middle) else (middle, high)
+    return high
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HotPateMethod:
     """Hot PATE with one histogram sampler, as a `pate.method.Method`.
@@ -167,7 +263,10 @@ class HotPateMethod:
 
         Raises:
             ValueError: one line naming the setting: an unknown aggregator, ε outside the
-                calibration's range, a threshold fraction outside [0, 1], ...
+                calibration's range, a threshold fraction outside [0, 1], or a token all
+                teachers vote for released with a probability below the run's
+                `min_unanimous_release` (`WeakReleaseError`, naming the fewest teachers that
+                reach it).
 
         Privacy:
             Reads no sensitive data: a function of public settings only.
@@ -211,6 +310,17 @@ class HotPateMethod:
                 release_noise_multiplier=release.noise_multiplier,
                 release_beta=release.beta,
             )
+        fraction = config.threshold / n
+        unanimous = _unanimous_release(config, n, buckets, fraction)
+        if unanimous is not None and unanimous < run.min_unanimous_release:
+            raise WeakReleaseError(
+                run,
+                num_calls=num_calls,
+                probability=unanimous,
+                needed=_teachers_for_release(
+                    config, n, buckets, fraction, run.min_unanimous_release
+                ),
+            )
         event, call_delta = config.charge()
         planned = pate_accounting.epsilon_of_steps(
             event, steps=num_calls, delta=config.report_delta
@@ -234,15 +344,7 @@ class HotPateMethod:
             "stop_at_newline": run.stop_at_newline,
             "public_fallback": run.public_fallback,
             "public_candidates": run.public_candidates,
-            "unanimous_release_probability": aggregators.unanimous_release_probability(
-                config.aggregator,
-                num_teachers=n,
-                num_buckets=buckets,
-                threshold=config.threshold,
-                sigma1=config.sigma1,
-                sigma2=config.sigma2,
-                epsilon=config.epsilon,
-            ),
+            "unanimous_release_probability": unanimous,
         }
         return Plan(
             run=run,

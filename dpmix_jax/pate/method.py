@@ -49,6 +49,10 @@ class RunSettings:
             model's c most likely next tokens (None: the whole vocabulary).
         allow_large_delta: accept δ >= 1/n (refused by default: at that δ the guarantee
             allows publishing a unit in the clear).
+        min_unanimous_release: Hot PATE refuses to calibrate when a token all n teachers vote
+            for would be released with a lower probability (its released tokens would be
+            near-uniform picks, not the teachers' vote); 0 (default) accepts any. The peers
+            ignore it.
     """
 
     epsilon: float
@@ -67,6 +71,7 @@ class RunSettings:
     public_fallback: bool = True
     public_candidates: int | None = None
     allow_large_delta: bool = False
+    min_unanimous_release: float = 0.0
 
     def __post_init__(self) -> None:
         validation.check_epsilon(self.epsilon)
@@ -76,6 +81,9 @@ class RunSettings:
         teachers = self.num_teachers
         if isinstance(teachers, bool) or not isinstance(teachers, int) or teachers < 2:
             raise ValueError(f"num_teachers must be an integer >= 2, got {teachers!r}")
+        floor = self.min_unanimous_release
+        if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 <= floor <= 1:
+            raise ValueError(f"min_unanimous_release must be in [0, 1], got {floor!r}")
         if self.public_candidates is not None:
             validation.check_steps(self.public_candidates, "public_candidates")
             if not self.public_candidates < self.vocab_size:

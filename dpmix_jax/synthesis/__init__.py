@@ -49,9 +49,16 @@ from dpmix_jax.synthesis.public_models import (
 )
 from dpmix_jax.synthesis.registry import DP_FINETUNE, GENERATORS, METHODS, PEER_METHODS, REGISTRY
 from dpmix_jax.synthesis.result import SynthesisResult
-from dpmix_jax.synthesis.run import synthesize, synthesize_with
+from dpmix_jax.synthesis.run import (
+    MIN_UNANIMOUS_RELEASE,
+    calibrate_on,
+    synthesize,
+    synthesize_with,
+)
 
 __all__ = [
+    "MIN_UNANIMOUS_RELEASE",
+    "calibrate_on",
     "ACCOUNTINGS",
     "AGGREGATORS",
     "DOCUMENT_SUFFIXES",

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from dpmix_jax.pate.method import RunSettings
+from dpmix_jax.pate.method import Method, Plan, RunSettings
 from dpmix_jax.privacy import validation
 from dpmix_jax.synthesis import public_models
 from dpmix_jax.synthesis.dp_finetuning import GeneratorTuning, synthesize_finetuned
@@ -39,7 +39,10 @@ from dpmix_jax.synthesis.individual_accounting import (
 from dpmix_jax.synthesis.registry import DP_FINETUNE, GENERATORS, METHODS, REGISTRY
 from dpmix_jax.synthesis.result import SynthesisResult, sample_fields
 
-__all__ = ["synthesize", "synthesize_with"]
+__all__ = ["MIN_UNANIMOUS_RELEASE", "calibrate_on", "synthesize", "synthesize_with"]
+
+# Hot PATE refuses a calibration whose unanimous token is released less often than this.
+MIN_UNANIMOUS_RELEASE = 0.5
 
 
 def synthesize(
@@ -71,6 +74,7 @@ def synthesize(
     context_width: int | None = None,
     allow_large_delta: bool = False,
     finetuning: GeneratorTuning | None = None,
+    min_unanimous_release: float = MIN_UNANIMOUS_RELEASE,
 ) -> SynthesisResult:
     """Generates `num_samples` texts privately from `documents` with Hot PATE, a peer, or DP
     fine-tuning.
@@ -161,6 +165,13 @@ def synthesize(
             allows publishing a unit in the clear); the result records it.
         finetuning: `method="dp_finetune"` only: its `dp_finetuning.GeneratorTuning` (None:
             the defaults).
+        min_unanimous_release: Hot PATE ("coordinated", "independent", standard accounting)
+            only: the run is refused before any teacher is built when a token all n teachers
+            vote for would be released with a lower probability
+            (`unanimous_release_probability`): its released tokens would be near-uniform picks
+            among the candidates, not the teachers' vote. The refusal
+            (`pate.hot_pate_method.WeakReleaseError`) names the fewest teachers that reach it.
+            0 accepts any calibration.
 
     Returns:
         A `SynthesisResult`.
@@ -168,7 +179,7 @@ def synthesize(
     Raises:
         ValueError: one line naming the argument or document: no text, fewer than 2 units,
             a document longer than the model's context leaves room for, ε <= 0, δ >= 1/n
-            without `allow_large_delta`, ...
+            without `allow_large_delta`, Hot PATE below `min_unanimous_release`, ...
 
     Privacy:
         Each teacher's prompt or adapter depends on its own units' documents only (keyed hash
@@ -266,6 +277,26 @@ def synthesize(
             stop_at_newline=stop_at_newline,
             allow_large_delta=allow_large_delta,
         )
+    stops = public_models.newline_tokens(model.tokenizer) if stop_at_newline else ()
+    chosen, plan = _calibrate(
+        method,
+        model,
+        num_teachers=num_teachers,
+        max_new_tokens=max_new_tokens,
+        stop_sequences=tuple((token,) for token in stops),
+        epsilon=epsilon,
+        delta=delta,
+        num_samples=num_samples,
+        temperature=temperature,
+        stop_at_newline=stop_at_newline,
+        aggregator=aggregator,
+        threshold_fraction=threshold_fraction,
+        max_retries=max_retries,
+        public_fallback=public_fallback,
+        public_candidates=public_candidates,
+        allow_large_delta=allow_large_delta,
+        min_unanimous_release=min_unanimous_release,
+    )
     ensemble = build_ensemble(
         documents,
         model,
@@ -281,25 +312,7 @@ def synthesize(
         tuning=tuning,
         context_width=context_width,
     )
-    return synthesize_with(
-        ensemble,
-        model,
-        epsilon=epsilon,
-        delta=delta,
-        num_samples=num_samples,
-        method=method,
-        prompt=prompt,
-        key=key,
-        aggregator=aggregator,
-        temperature=temperature,
-        threshold_fraction=threshold_fraction,
-        max_retries=max_retries,
-        stop_at_newline=stop_at_newline,
-        public_fallback=public_fallback,
-        public_candidates=public_candidates,
-        allow_large_delta=allow_large_delta,
-        seeded=seeded,
-    )
+    return _generate(chosen, plan, ensemble, model, prompt=prompt, key=key, seeded=seeded)
 
 
 def _check_no_teacher_settings(**settings: Any) -> None:
@@ -331,6 +344,7 @@ def synthesize_with(
     public_fallback: bool = True,
     public_candidates: int | None = None,
     allow_large_delta: bool = False,
+    min_unanimous_release: float = MIN_UNANIMOUS_RELEASE,
     seeded: bool | None = None,
 ) -> SynthesisResult:
     """`synthesize`'s generation on teachers already built by `ensemble.build_ensemble` (with
@@ -343,26 +357,66 @@ def synthesize_with(
         every call charged. Every call on the same ensemble is a release about the same units:
         their ε compose, which the caller accounts for.
     """
-    epsilon = validation.check_epsilon(epsilon)
-    delta = validation.check_delta(delta)
-    validation.check_steps(num_samples, "num_samples")
-    if method not in REGISTRY:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    num_teachers = ensemble.teachers.num_teachers
-    validation.check_delta_for_units(
-        delta, num_teachers, unit="teachers", allow_large_delta=allow_large_delta
-    )
-    chosen = REGISTRY[method]
-    run = RunSettings(
+    chosen, plan = calibrate_on(
+        ensemble,
+        model,
         epsilon=epsilon,
         delta=delta,
         num_samples=num_samples,
-        max_new_tokens=ensemble.max_new_tokens,
-        num_teachers=num_teachers,
-        vocab_size=int(model.model.config.vocab_size),
+        method=method,
+        aggregator=aggregator,
         temperature=temperature,
-        eos_id=model.tokenizer.eos_id,
+        threshold_fraction=threshold_fraction,
+        max_retries=max_retries,
+        stop_at_newline=stop_at_newline,
+        public_fallback=public_fallback,
+        public_candidates=public_candidates,
+        allow_large_delta=allow_large_delta,
+        min_unanimous_release=min_unanimous_release,
+    )
+    seeded = key is not None if seeded is None else seeded
+    return _generate(chosen, plan, ensemble, model, prompt=prompt, key=key, seeded=seeded)
+
+
+def calibrate_on(
+    ensemble: Ensemble,
+    model: public_models.PublicTextModel,
+    *,
+    epsilon: float,
+    delta: float,
+    num_samples: int,
+    method: str = "coordinated",
+    aggregator: str = "confident_gnmax",
+    temperature: float = 1.0,
+    threshold_fraction: float | None = None,
+    max_retries: int = 0,
+    stop_at_newline: bool = True,
+    public_fallback: bool = True,
+    public_candidates: int | None = None,
+    allow_large_delta: bool = False,
+    min_unanimous_release: float = MIN_UNANIMOUS_RELEASE,
+) -> tuple[Method, Plan]:
+    """The named method and its plan for `num_samples` texts on `ensemble`'s teachers, as
+    `synthesize_with` calibrates them (its arguments), without generating: the plan's
+    `chosen.generate(plan, ensemble.teachers, ensemble.public_model, prompt=...)` is the run.
+
+    Privacy:
+        Reads no sensitive data: the plan depends on public settings only (n, the
+        vocabulary, the stop tokens, the budget).
+    """
+    epsilon = validation.check_epsilon(epsilon)
+    delta = validation.check_delta(delta)
+    validation.check_steps(num_samples, "num_samples")
+    return _calibrate(
+        method,
+        model,
+        num_teachers=ensemble.teachers.num_teachers,
+        max_new_tokens=ensemble.max_new_tokens,
         stop_sequences=ensemble.stop_sequences,
+        epsilon=epsilon,
+        delta=delta,
+        num_samples=num_samples,
+        temperature=temperature,
         stop_at_newline=stop_at_newline,
         aggregator=aggregator,
         threshold_fraction=threshold_fraction,
@@ -370,8 +424,61 @@ def synthesize_with(
         public_fallback=public_fallback,
         public_candidates=public_candidates,
         allow_large_delta=allow_large_delta,
+        min_unanimous_release=min_unanimous_release,
     )
-    plan = chosen.calibrate(run)
+
+
+def _calibrate(
+    method: str,
+    model: public_models.PublicTextModel,
+    *,
+    num_teachers: int,
+    max_new_tokens: int,
+    stop_sequences: tuple[tuple[int, ...], ...],
+    **settings: Any,
+) -> tuple[Method, Plan]:
+    """The named method and its plan for a run of n teachers on `model` (`settings`: the rest
+    of `pate.method.RunSettings`), from public settings only: no teacher is needed.
+
+    Raises:
+        ValueError: an unknown method, δ >= 1/n without `allow_large_delta`, or the method's
+            own refusal (`min_unanimous_release` for Hot PATE).
+
+    Privacy:
+        Reads no sensitive data.
+    """
+    if method not in REGISTRY:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    run = RunSettings(
+        num_teachers=num_teachers,
+        max_new_tokens=max_new_tokens,
+        stop_sequences=stop_sequences,
+        vocab_size=int(model.model.config.vocab_size),
+        eos_id=model.tokenizer.eos_id,
+        **settings,
+    )
+    validation.check_delta_for_units(
+        run.delta, run.num_teachers, unit="teachers", allow_large_delta=run.allow_large_delta
+    )
+    chosen = REGISTRY[method]
+    return chosen, chosen.calibrate(run)
+
+
+def _generate(
+    chosen: Method,
+    plan: Plan,
+    ensemble: Ensemble,
+    model: public_models.PublicTextModel,
+    *,
+    prompt: str,
+    key: jax.Array | None,
+    seeded: bool,
+) -> SynthesisResult:
+    """Runs `plan` on the ensemble's teachers and charges what ran.
+
+    Privacy:
+        Reads the teachers through the method's calibrated mechanism only, every call charged.
+    """
     samples = chosen.generate(
         plan, ensemble.teachers, ensemble.public_model, prompt=ensemble.prompt_ids, key=key
     )
@@ -380,18 +487,18 @@ def synthesize_with(
         **sample_fields(ensemble, model.tokenizer, prompt, samples),
         epsilon=spent.epsilon,
         delta=spent.delta,
-        target_epsilon=epsilon,
-        target_delta=delta,
+        target_epsilon=plan.run.epsilon,
+        target_delta=plan.run.delta,
         planned_epsilon=plan.planned_epsilon,
         data_dependent_epsilon=spent.data_dependent_epsilon,
         released_epsilons=spent.released_epsilons,
         aggregator=plan.aggregator,
         method=chosen.name,
-        num_teachers=num_teachers,
+        num_teachers=plan.run.num_teachers,
         steps_without_output=spent.steps_without_output,
         num_queries=spent.num_queries,
         teacher_forward_passes=spent.teacher_forward_passes,
         mechanism=dict(plan.mechanism),
-        allow_large_delta=allow_large_delta,
-        seeded=key is not None if seeded is None else seeded,
+        allow_large_delta=plan.run.allow_large_delta,
+        seeded=seeded,
     )

@@ -27,7 +27,7 @@ from dpmix_jax.privacy import validation
 from dpmix_jax.synthesis import DP_FINETUNE, METHODS, GeneratorTuning
 
 GENERATORS = (*METHODS, DP_FINETUNE)
-REFERENCES = ("public", "nonprivate")
+REFERENCES = ("public", "nonprivate", "real")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,7 +37,9 @@ class TopicGenerationConfig:
     Attributes:
         model: the public model, a name for `synthesis.load_public_model`.
         generators: the private generators (`synthesis.METHODS` names and "dp_finetune").
-        references: the references run beside them (a subset of `REFERENCES`).
+        references: the references run beside them (a subset of `REFERENCES`): the public
+            model alone (ε = 0), the teachers' average (ε = ∞), and the real sentences cut to a
+            line's length (what the measures give real lines of that number and length).
         epsilons: total ε of each run (the topics' teachers hold disjoint sentences and DP
             fine-tuning trains once on all of them, so every run is (ε, δ)-DP).
         delta: total δ of each run.

@@ -134,8 +134,8 @@ ONE_SEED = {
     "hot_pate_ablations",
     "hot_pate_scaling",
 }  # one run, from the config's `seed`
-NO_SEEDS = {"bench_grads"}  # fixed keys: a timing benchmark, no repetitions, nothing private
-NOT_REPRODUCIBLE = {"audit", "bench_grads"}  # their randomness is always seeded
+NO_SEEDS = {"bench_grads", "bench_generation"}  # fixed keys: timing benchmarks, nothing private
+NOT_REPRODUCIBLE = {"audit", "bench_grads", "bench_generation"}  # always seeded
 NO_OUT = {"quickstart"}  # prints its results, writes nothing
 SHOWS_PROGRESS = {
     "nih_chexpert", "nih_mimic", "enron", "openwebmath", "ablations", "per_task",

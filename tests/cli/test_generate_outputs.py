@@ -19,6 +19,7 @@ from dpmix_jax.cli import errors, generate
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
 from dpmix_jax.synthesis import public_models
+from dpmix_jax.synthesis import run as synthesis_run
 
 TEXTS = [f"Note {i}: water the bed {i % 5} and cut the roses in row {i % 3}." for i in range(48)]
 PUBLIC_FILES = ("samples.jsonl", "report.json")
@@ -56,6 +57,11 @@ def blind_model_folder(tmp_path_factory, tokenizer):
 
 
 def _generate(documents, model, out, *extra: str) -> int:
+    """`dpmix generate` on a tiny model; Hot PATE on its 2-4 teachers accepts any calibration
+    unless `extra` sets the floor (the refusal has its own tests)."""
+    method = extra[extra.index("--method") + 1] if "--method" in extra else "coordinated"
+    if method in synthesis.registry.HOT_PATE and "--min-unanimous-release" not in extra:
+        extra = (*extra, "--min-unanimous-release", "0")
     return cli.main(
         ["generate", "--documents", str(documents), "--model", str(model), "--out", str(out),
          "--num-samples", "2", "--max-new-tokens", "3", "--epsilon", "3", "--seed", "0",
@@ -340,7 +346,7 @@ def test_documents_that_do_not_fit_are_counted_on_the_terminal(
 ):
     documents = _write_documents(tmp_path / "docs", 24)
     out = tmp_path / "out"
-    extra = ["--num-teachers", "2", "--context-width", "40"]
+    extra = ["--num-teachers", "2", "--context-width", "40", "--min-unanimous-release", "0"]
     argv = ["generate", "--documents", str(documents), "--model", str(model_folder), "--out",
             str(out), "--num-samples", "1", "--max-new-tokens", "2", "--seed", "0", *extra,
             *(["--quiet"] if quiet else [])]  # fmt: skip
@@ -369,9 +375,10 @@ def test_hot_pate_counts_the_public_candidates_and_says_how_likely_a_vote_is_car
     assert _generate(documents, model_folder, out, "--num-teachers", "4") == 0
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["public_candidates"] == 16
+    assert report["settings"]["min_unanimous_release"] == 0
     assert report["mechanism"]["public_candidates"] == 16
     carried = report["mechanism"]["unanimous_release_probability"]
-    assert 0 < carried < 0.5  # 4 teachers at ε = 1: a unanimous vote is mostly lost
+    assert 0 < carried < 0.5  # 4 teachers at ε = 3: a unanimous vote is mostly lost
     assert f"released with probability {carried:.2g}" in capsys.readouterr().err
     whole = tmp_path / "whole"
     assert _generate(documents, model_folder, whole, "--num-teachers", "4",
@@ -379,6 +386,47 @@ def test_hot_pate_counts_the_public_candidates_and_says_how_likely_a_vote_is_car
     mechanism = json.loads((whole / "report.json").read_text())["mechanism"]
     assert mechanism["public_candidates"] is None
     assert mechanism["unanimous_release_probability"] < carried
+
+
+def test_a_weak_release_is_refused_before_any_teacher_is_built(
+    tmp_path, model_folder, capsys, monkeypatch
+):
+    """The default floor refuses 4 teachers at ε = 3 in one line naming the options and the
+    fewest teachers that reach it, before the teachers' prefill, with no output written."""
+
+    def no_prefill(*args, **kwargs):
+        raise AssertionError("the teachers were built before the refusal")
+
+    monkeypatch.setattr(synthesis_run, "build_ensemble", no_prefill)
+    documents = _write_documents(tmp_path / "docs", 16)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stop:
+        _generate(documents, model_folder, out, "--num-teachers", "4",
+                  "--min-unanimous-release", "0.5")  # fmt: skip
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert "argument --num-teachers: at ε = 3 over 6 calls a token all 4 teachers" in err
+    assert "teachers (--num-teachers)" in err and "--min-unanimous-release" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not any((out / name).exists() for name in PUBLIC_FILES)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--min-unanimous-release", "1.5"), "argument --min-unanimous-release: must be in"),
+        (("--method", "pmixed", "--min-unanimous-release", "0.2"), "applies to --method coord"),
+        (("--method", "dp_finetune", "--min-unanimous-release", "0.2"), "applies to the teacher"),
+    ],
+)
+def test_the_release_floor_is_refused_where_it_does_not_apply(
+    tmp_path, model_folder, capsys, extra, message
+):
+    documents = _write_documents(tmp_path / "docs", 8)
+    teachers = () if "dp_finetune" in extra else ("--num-teachers", "4")
+    with pytest.raises(SystemExit) as stop:
+        _generate(documents, model_folder, tmp_path / "out", *teachers, *extra)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
     config = tiny_config(model_folder)
     results = topic_generation.main(config, tmp_path, reproducible=True)
     rows = {row["generator"]: row for row in results["rows"]}
-    assert set(rows) == {*configs.GENERATORS, "public", "nonprivate"}
+    assert set(rows) == {*configs.GENERATORS, *configs.REFERENCES}
     for name in synthesis.METHODS:
         assert 0 < rows[name]["epsilon"] <= 5.0 * (1 + 1e-9), name
         assert 0 <= rows[name]["teacher_tokens"] <= rows[name]["tokens"] <= 2 * 4 * 4, name
@@ -69,7 +69,14 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
         assert summary["nonprivate"]["gap_kept"][name] == 1
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == len(rows) * 2 * 4
-    assert all(s["text"].startswith(config.prompt) for s in samples), samples
+    generated = [s for s in samples if s["generator"] != "real"]
+    assert all(s["text"].startswith(config.prompt) for s in generated), generated
+    # The real reference: starts of the topic's own sensitive sentences, no time ratio.
+    documents = topic_generation.topic_data(config)
+    for sample in (s for s in samples if s["generator"] == "real"):
+        own = [d["text"].strip() for d in documents[sample["topic"]].documents]
+        assert any(text.startswith(sample["text"]) for text in own), sample
+    assert rows["real"]["epsilon"] == float("inf") and rows["real"]["time_vs_forward"] is None
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.count("| DP fine-tuning (DP-LoRA) | 5 | 5 |") == 1
     assert (tmp_path / "topic_generation.png").stat().st_size > 0

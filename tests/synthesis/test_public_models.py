@@ -399,7 +399,7 @@ def _generate(tmp_path, *extra):
     return cli.main(
         ["generate", "--documents", str(NOTES), "--num-teachers", "2", "--num-samples", "1",
          "--max-new-tokens", "2", "--seed", "0", "--quiet", "--out", str(tmp_path / "out"),
-         *extra]
+         "--min-unanimous-release", "0", *extra]
     )  # fmt: skip
 
 
@@ -453,7 +453,7 @@ def test_dpmix_generate_runs_on_smollm2(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["generate", "--documents", str(NOTES), "--num-teachers", "2", "--num-samples", "2",
             "--max-new-tokens", "6", "--context-width", "96", "--epsilon", "10", "--seed", "0",
-            "--quiet", "--out", str(out)]  # fmt: skip
+            "--min-unanimous-release", "0", "--quiet", "--out", str(out)]  # fmt: skip
     assert cli.main(argv) == 0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 and all(s["stop_reason"] for s in samples)

@@ -18,10 +18,12 @@ from scipy import optimize, stats
 from dpmix_jax import cli, synthesis
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
+from dpmix_jax.pate.hot_pate_method import WeakReleaseError
 from dpmix_jax.pate.method import Method
 from dpmix_jax.pate.partition import teacher_parts
 from dpmix_jax.privacy.parts import assign_parts
 from dpmix_jax.synthesis import finetuned_teachers, public_models
+from dpmix_jax.synthesis import run as synthesis_run
 
 TEXTS = [
     f"Meeting {i} moved to room {i % 7}. Please bring the report on item {i}." for i in range(24)
@@ -64,6 +66,7 @@ def _run(model, **overrides):
         num_teachers=4,
         key=jax.random.key(7),
         stop_at_newline=False,
+        min_unanimous_release=0.0,  # 4 tiny teachers: these tests check other properties
     )
     return synthesis.synthesize(_docs(), model, **{**settings, **overrides})
 
@@ -147,7 +150,7 @@ def test_a_user_field_makes_users_the_units(model):
     assert (result.unit, result.num_units) == ("users", 6)
     plain = synthesis.synthesize(
         _docs(with_users=False), model, epsilon=2.0, delta=1e-5, num_samples=1,
-        max_new_tokens=2, key=jax.random.key(0), num_teachers=4,
+        max_new_tokens=2, key=jax.random.key(0), num_teachers=4, min_unanimous_release=0.0,
     )  # fmt: skip
     assert (plain.unit, plain.num_units) == ("documents", len(TEXTS))
 
@@ -181,6 +184,34 @@ def test_bad_settings_give_one_line(model, change, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("teachers", ["in_context", "fine_tuned"])
+def test_hot_pate_below_the_release_floor_is_refused_before_any_teacher_is_built(
+    model, monkeypatch, teachers
+):
+    def no_teachers(*args, **kwargs):
+        raise AssertionError("the teachers were built before the refusal")
+
+    monkeypatch.setattr(synthesis_run, "build_ensemble", no_teachers)
+    with pytest.raises(WeakReleaseError) as refused:
+        _run(model, min_unanimous_release=synthesis.MIN_UNANIMOUS_RELEASE, teachers=teachers)
+    assert refused.value.run.num_teachers == 4 and refused.value.needed > 4
+    assert "min_unanimous_release" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_run_at_the_named_number_of_teachers_passes_the_floor(model):
+    """The teachers the refusal names do reach the floor in a real run (with the tiny model's
+    vocabulary, all of it counted: no public candidates)."""
+    floor = dict(min_unanimous_release=0.5, epsilon=5.0, num_samples=1, max_new_tokens=1)
+    with pytest.raises(WeakReleaseError) as refused:
+        _run(model, num_teachers=2, **floor)
+    needed = refused.value.needed
+    assert needed is not None and 3 < needed <= 6, needed
+    with pytest.raises(WeakReleaseError):
+        _run(model, num_teachers=needed - 1, **floor)
+    result = _run(model, num_teachers=needed, **floor)
+    assert result.mechanism["unanimous_release_probability"] >= 0.5
+
+
 @pytest.mark.parametrize(
     ("documents", "message"),
     [
@@ -199,8 +230,9 @@ def test_bad_settings_give_one_line(model, change, message):
 def test_bad_documents_give_one_line_naming_the_document(model, documents, message):
     with pytest.raises(ValueError, match=message) as err:
         synthesis.synthesize(
-            documents, model, epsilon=1.0, delta=1e-5, num_samples=1, num_teachers=2
-        )
+            documents, model, epsilon=1.0, delta=1e-5, num_samples=1, num_teachers=2,
+            min_unanimous_release=0.0,
+        )  # fmt: skip
     assert "\n" not in str(err.value)
 
 
@@ -286,7 +318,8 @@ def test_dpmix_generate_writes_samples_and_the_spent_epsilon(model_folder, tmp_p
     out = tmp_path / "out"
     argv = ["generate", "--documents", str(documents), "--model", str(model_folder),
             "--out", str(out), "--epsilon", "3", "--num-samples", "2", "--max-new-tokens", "3",
-            "--prompt", "Meeting", "--seed", "0", "--num-teachers", "4", "--quiet"]  # fmt: skip
+            "--prompt", "Meeting", "--seed", "0", "--num-teachers", "4", "--quiet",
+            "--min-unanimous-release", "0"]  # fmt: skip
     # .txt files carry no user while the .jsonl rows do: every document needs one, or none.
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -473,8 +506,9 @@ def test_invisibleink_disjoint_one_users_documents_move_only_their_texts_batch(m
         for d, u in zip(_docs(), USERS, strict=True)
     ]
     after = synthesis.synthesize(
-        docs, model, epsilon=2.0, delta=1e-5, max_new_tokens=3, stop_at_newline=False, **settings
-    )
+        docs, model, epsilon=2.0, delta=1e-5, max_new_tokens=3, stop_at_newline=False, **settings,
+        min_unanimous_release=0.0,
+    )  # fmt: skip
     partition_key = np.asarray(jax.random.key_data(jax.random.fold_in(key, 0))).tobytes()
     parts = teacher_parts(_docs(), 6, key=partition_key)
     teacher = next(t for t, part in enumerate(parts) if USERS.index("user0") in part)
