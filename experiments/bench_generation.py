@@ -24,28 +24,27 @@ import jax
 import numpy as np
 
 from dpmix_jax import synthesis
-from dpmix_jax.data.builtin import held_out_domains
 from dpmix_jax.pate.peers import reference
 from dpmix_jax.pipeline.compare import provenance
-from dpmix_jax.synthesis import public_models
+from experiments import topic_generation
 from experiments.common_args import experiment_main
 from experiments.configs import bench_generation as configs
 from experiments.harness import Command, finish, progress_log
 
 REFERENCE = "nonprivate"
 HOT_PATE = ("coordinated", "independent")
-MIN_CHARS = 40  # sentences shorter than this are dropped, as in the topic study
 
 
 def topic_documents(config: configs.BenchGenerationConfig) -> list[dict]:
-    """The sentences of the even-numbered held-out articles of the topic, one document each
-    (the sensitive half of `experiments.topic_generation`).
+    """The topic's sensitive sentences, one document each: those `experiments.topic_generation`
+    gives its teachers.
 
     Privacy: sensitive-side data, read by the teachers only; no text is kept.
     """
-    articles = held_out_domains(seed=0)[f"bbc_{config.topic}"][0::2]
-    sentences = public_models.split_sentences(articles, min_chars=MIN_CHARS)
-    return [{"text": sentence[: config.max_chars]} for sentence in sentences]
+    sentences = topic_generation.topic_sentences(
+        config.topic, part=0, min_chars=config.min_chars, max_chars=config.max_chars
+    )
+    return [{"text": sentence} for sentence in sentences]
 
 
 def main(config: configs.BenchGenerationConfig, out: pathlib.Path | None = None) -> dict:

@@ -88,6 +88,18 @@ class TopicData:
     test: tuple[str, ...]
 
 
+def topic_sentences(topic: str, *, part: int, min_chars: int, max_chars: int) -> list[str]:
+    """The sentences of a BBC topic's held-out articles of one parity (`part` 0: the
+    even-numbered, the sensitive half; 1: the odd-numbered, the test half), those shorter than
+    `min_chars` dropped and the rest cut to `max_chars`.
+
+    Privacy: sensitive-side data (see `topic_data`).
+    """
+    articles = held_out_domains(seed=0)[f"bbc_{topic}"][part::2]
+    lines = public_models.split_sentences(articles, min_chars=min_chars)
+    return [line[:max_chars] for line in lines]
+
+
 def topic_data(config: configs.TopicGenerationConfig) -> dict[str, TopicData]:
     """Per topic: the sentences of the even-numbered held-out articles (the sensitive
     documents, one unit each) and up to `test_per_topic` of the odd-numbered ones (the test).
@@ -95,21 +107,20 @@ def topic_data(config: configs.TopicGenerationConfig) -> dict[str, TopicData]:
     Privacy: both halves are sensitive-side data; only the first is read by the generators,
     the test half only by the (non-private) measures.
     """
-    held_out = held_out_domains(seed=0)
     data = {}
     for topic in config.topics:
-        articles = held_out[f"bbc_{topic}"]
 
-        def sentences(part):
-            lines = public_models.split_sentences(part, min_chars=config.min_chars)
-            return [line[: config.max_chars] for line in lines]
+        def sentences(part, topic=topic):
+            return topic_sentences(
+                topic, part=part, min_chars=config.min_chars, max_chars=config.max_chars
+            )
 
-        documents = tuple({"text": s} for s in sentences(articles[0::2]))
+        documents = tuple({"text": s} for s in sentences(0))
         if len(documents) < config.num_teachers:
             raise ValueError(
                 f"topic {topic} has {len(documents)} sentences for {config.num_teachers} teachers"
             )
-        test = tuple(sentences(articles[1::2])[: config.test_per_topic])
+        test = tuple(sentences(1)[: config.test_per_topic])
         data[topic] = TopicData(documents=documents, test=test)
     return data
 
@@ -408,6 +419,7 @@ def main(
                 {"generator": generator, "target_epsilon": epsilon, "seed": seed, "topic": t,
                  "text": s}
                 for s, t in zip(run["lines"], run["labels"], strict=True)
+                if generator != "real"  # the sensitive sentences themselves: never published
             ]  # fmt: skip
             log(
                 f"seed {seed} {LABELS[generator]}"

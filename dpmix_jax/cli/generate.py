@@ -23,8 +23,9 @@ DEFAULT_MODEL = "smollm2"
 # The exact counts of the sensitive data (owner-only, 0600): never published.
 OWNER_REPORT = "owner_only_report.json"
 TEXT_DEFAULT_MODEL = "text-default"
-DEFAULT_TEACHERS = 128  # teachers on the embedded documents: the fewest powers of two that
-# release a unanimous token with probability >= 0.5 at the default ε, samples and candidates
+# Teachers on the embedded documents: the smallest power of two whose unanimous token is
+# released with probability >= MIN_UNANIMOUS_RELEASE at the default ε, samples and candidates.
+DEFAULT_TEACHERS = 128
 DEFAULT_CANDIDATES = 16  # Hot PATE counts the votes for the public model's 16 likeliest tokens
 TEXT_DEFAULT_TEACHERS = 512  # with --model text-default (the Hot PATE experiment's n)
 # What a default run costs (measured with `/usr/bin/time -v dpmix generate` on 2 CPU cores).
@@ -302,6 +303,11 @@ def _generate(args: argparse.Namespace) -> int:
                 f"argument {option}: applies to --method coordinated or independent (the "
                 f"{args.method} method has its own mechanism)"
             )
+    if individual and hot_pate_only["--min-unanimous-release"]:
+        raise ValueError(
+            "argument --min-unanimous-release: applies to --accounting standard (individual "
+            "accounting has a threshold of its own)"
+        )
     if args.documents is not None and args.num_teachers is None and not (individual or finetuned):
         raise ValueError(
             "argument --num-teachers: required with --documents; choose n without looking at "

@@ -36,7 +36,8 @@ class BenchGenerationConfig:
         rounds: timed rounds; each writes one text with every method and the reference, in a
             fresh order, after one untimed round that compiles.
         seed: the fixed seed of the partition, the order and every key.
-        max_chars: sentences are cut to this many characters (as in the study).
+        min_chars, max_chars: sentences shorter than `min_chars` are dropped, longer ones cut
+            to `max_chars` (as in the topic study).
         progress: print a line per round.
     """
 
@@ -52,6 +53,7 @@ class BenchGenerationConfig:
     public_candidates: int = 16
     rounds: int = 5
     seed: int = 0
+    min_chars: int = 40
     max_chars: int = 160
     progress: bool = True
 
@@ -69,6 +71,7 @@ class BenchGenerationConfig:
             "max_new_tokens",
             "public_candidates",
             "rounds",
+            "min_chars",
             "max_chars",
         ):
             validation.check_steps(getattr(self, name), name)

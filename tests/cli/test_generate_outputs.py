@@ -60,7 +60,8 @@ def _generate(documents, model, out, *extra: str) -> int:
     """`dpmix generate` on a tiny model; Hot PATE on its 2-4 teachers accepts any calibration
     unless `extra` sets the floor (the refusal has its own tests)."""
     method = extra[extra.index("--method") + 1] if "--method" in extra else "coordinated"
-    if method in synthesis.registry.HOT_PATE and "--min-unanimous-release" not in extra:
+    floor_applies = method in synthesis.registry.HOT_PATE and "individual" not in extra
+    if floor_applies and "--min-unanimous-release" not in extra:
         extra = (*extra, "--min-unanimous-release", "0")
     return cli.main(
         ["generate", "--documents", str(documents), "--model", str(model), "--out", str(out),
@@ -417,13 +418,14 @@ def test_a_weak_release_is_refused_before_any_teacher_is_built(
         (("--min-unanimous-release", "1.5"), "argument --min-unanimous-release: must be in"),
         (("--method", "pmixed", "--min-unanimous-release", "0.2"), "applies to --method coord"),
         (("--method", "dp_finetune", "--min-unanimous-release", "0.2"), "applies to the teacher"),
+        (("--accounting", "individual", "--min-unanimous-release", "0.2"), "applies to --accou"),
     ],
 )
 def test_the_release_floor_is_refused_where_it_does_not_apply(
     tmp_path, model_folder, capsys, extra, message
 ):
     documents = _write_documents(tmp_path / "docs", 8)
-    teachers = () if "dp_finetune" in extra else ("--num-teachers", "4")
+    teachers = () if {"dp_finetune", "individual"} & set(extra) else ("--num-teachers", "4")
     with pytest.raises(SystemExit) as stop:
         _generate(documents, model_folder, tmp_path / "out", *teachers, *extra)
     assert stop.value.code == 2 and message in capsys.readouterr().err

@@ -5,6 +5,7 @@ gap each keeps, and a resumed run that generates nothing again."""
 import dataclasses
 import json
 
+import jax
 import pytest
 from flax import nnx
 
@@ -68,15 +69,19 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
         assert summary["public"]["gap_kept"][name] == 0
         assert summary["nonprivate"]["gap_kept"][name] == 1
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == len(rows) * 2 * 4
-    generated = [s for s in samples if s["generator"] != "real"]
-    assert all(s["text"].startswith(config.prompt) for s in generated), generated
-    # The real reference: starts of the topic's own sensitive sentences, no time ratio.
-    documents = topic_generation.topic_data(config)
-    for sample in (s for s in samples if s["generator"] == "real"):
-        own = [d["text"].strip() for d in documents[sample["topic"]].documents]
-        assert any(text.startswith(sample["text"]) for text in own), sample
+    assert len(samples) == (len(rows) - 1) * 2 * 4
+    # The real reference's lines are the sensitive sentences: measured, never in the samples.
+    assert all(s["generator"] != "real" for s in samples)
+    assert all(s["text"].startswith(config.prompt) for s in samples), samples
     assert rows["real"]["epsilon"] == float("inf") and rows["real"]["time_vs_forward"] is None
+    data = topic_generation.topic_data(config)
+    model = synthesis.load_public_model(model_folder)
+    real = topic_generation.real_run(config, model, data, jax.random.key(0))
+    assert len(real["lines"]) == len(TOPICS) * config.lines_per_topic
+    for line, topic in zip(real["lines"], real["labels"], strict=True):
+        own = [d["text"].strip() for d in data[topic].documents]
+        assert any(text.startswith(line) for text in own), line
+        assert len(model.tokenizer.encode(line)) <= config.max_new_tokens
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.count("| DP fine-tuning (DP-LoRA) | 5 | 5 |") == 1
     assert (tmp_path / "topic_generation.png").stat().st_size > 0
