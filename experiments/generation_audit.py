@@ -44,11 +44,16 @@ from dpmix_jax.synthesis.registry import OWN_SETTINGS
 from experiments.common_args import experiment_main
 from experiments.configs import generation_audit as configs
 from experiments.harness import Command, finish, progress_log
-from experiments.run_files import read_stage, write_samples, write_stage
+from experiments.run_files import read_stage, run_slot, write_samples, write_stage
 
 CONTROL = "single_teacher"
 AVERAGE = "nonprivate"
 REFERENCES = (CONTROL, AVERAGE)
+# Every generator at the default ε, then the references: a run's randomness follows its place
+# here (`run_slot`), so an audit of fewer runs draws the same texts for each.
+FULL_PLAN = [(g, e) for g in configs.GENERATORS for e in configs.EPSILONS] + [
+    (r, None) for r in REFERENCES
+]
 HOT_PATE = ("coordinated", "independent")
 LABELS = {
     **{name: method.label for name, method in synthesis.REGISTRY.items()},
@@ -277,7 +282,7 @@ def main(
     plan = [(g, e) for g in config.generators for e in config.epsilons]
     plan += [(reference_name, None) for reference_name in REFERENCES]
     rows, samples = [], []
-    for index, (generator, epsilon) in enumerate(plan):
+    for generator, epsilon in plan:
         stage = None
         if stages is not None:
             stage = stages / f"{run_name(config, digest, generator, epsilon)}.json"
@@ -286,7 +291,7 @@ def main(
         else:
             run = generate(
                 config, model, documents, ensemble, generator, epsilon,
-                jax.random.fold_in(key, index),
+                jax.random.fold_in(key, run_slot((generator, epsilon), FULL_PLAN)),
             )  # fmt: skip
             run |= bound(config, run, canaries)
             if stage is not None:

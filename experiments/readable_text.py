@@ -37,7 +37,7 @@ from dpmix_jax.synthesis import quality
 from experiments.common_args import experiment_main
 from experiments.configs import readable_text as configs
 from experiments.harness import Command, finish, progress_log
-from experiments.run_files import read_stage, write_samples, write_stage
+from experiments.run_files import read_stage, run_slot, write_samples, write_stage
 
 NOTES = pathlib.Path(__file__).resolve().parents[1] / "docs" / "examples" / "generate"
 
@@ -197,7 +197,7 @@ def main(
         for seed in config.seeds:
             key = randomness.prng_key(seed if reproducible else randomness.secret_seed())
             ensemble = None
-            for index, generator in enumerate(config.generators):
+            for generator in config.generators:
                 name = run_key(config, model_digest, document_set, generator, seed)
                 stage = None if stages is None else stages / f"{name}.json"
                 if stage is not None and stage.exists():
@@ -214,8 +214,11 @@ def main(
                             key=jax.random.fold_in(key, 0),
                             context_width=document_set.context_width,
                         )
+                    generator_key = jax.random.fold_in(
+                        key, 1 + run_slot(generator, configs.DEFAULT_GENERATORS)
+                    )
                     run = generate(
-                        config, model, ensemble, generator, jax.random.fold_in(key, index + 1),
+                        config, model, ensemble, generator, generator_key,
                         documents=teachers_documents, document_set=document_set,
                     )  # fmt: skip
                     run |= measure(config, run["texts"], heldout, featurize)

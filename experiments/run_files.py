@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pathlib
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 
@@ -67,3 +69,24 @@ def write_stage(path: pathlib.Path, run: dict[str, Any]) -> None:
     temporary = path.with_suffix(".tmp")
     temporary.write_text(json.dumps(run))
     temporary.replace(path)
+
+
+def run_slot(run: Hashable, plan: Sequence[Hashable]) -> int:
+    """The number a run's random key is folded from, the same whichever other runs a study holds.
+
+    A stage's name leaves out the study's other runs, so its randomness must not depend on them
+    either: a run takes its place in `plan`, its study's full default plan, and a run outside
+    that plan a number above it derived from the run's text (`repr`).
+
+    Args:
+        run: what the run is, e.g. a (generator, ε) pair or a frozen dataclass of its settings.
+        plan: the study's full default plan, of runs of the same kind.
+
+    Returns:
+        An int below 2**32 (`jax.random.fold_in`'s range).
+    """
+    plan = list(plan)
+    if run in plan:
+        return plan.index(run)
+    digest = hashlib.sha256(repr(run).encode()).digest()
+    return len(plan) + int.from_bytes(digest[:3], "big")

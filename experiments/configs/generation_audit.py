@@ -21,6 +21,7 @@ from dpmix_jax.privacy import validation
 from dpmix_jax.synthesis import DP_FINETUNE, METHODS, GeneratorTuning
 
 GENERATORS = (*METHODS, DP_FINETUNE)
+EPSILONS = (10.0,)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +49,7 @@ class GenerationAuditConfig:
 
     model: str = "smollm2"
     generators: tuple[str, ...] = GENERATORS
-    epsilons: tuple[float, ...] = (10.0,)
+    epsilons: tuple[float, ...] = EPSILONS
     delta: float = 1e-5
     num_canaries: int = 32
     fillers_per_teacher: int = 3

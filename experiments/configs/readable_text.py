@@ -87,6 +87,17 @@ class DocumentSet:
         validation.check_steps(self.finetune_batch_size, "finetune_batch_size")
 
 
+DEFAULT_GENERATORS = (
+    Generator(method="public"),
+    Generator(method="nonprivate"),
+    Generator(method="coordinated", epsilon=1.0, public_candidates=16),
+    Generator(method="coordinated", epsilon=10.0, public_candidates=16),
+    Generator(method="coordinated", epsilon=10.0),
+    Generator(method="dp_finetune", epsilon=1.0),
+    Generator(method="dp_finetune", epsilon=10.0),
+)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadableTextConfig:
     """Public settings of the study.
@@ -112,15 +123,7 @@ class ReadableTextConfig:
         ),
         DocumentSet(name="notes", num_teachers=8, context_width=128, heldout=20),
     )  # fmt: skip
-    generators: tuple[Generator, ...] = (
-        Generator(method="public"),
-        Generator(method="nonprivate"),
-        Generator(method="coordinated", epsilon=1.0, public_candidates=16),
-        Generator(method="coordinated", epsilon=10.0, public_candidates=16),
-        Generator(method="coordinated", epsilon=10.0),
-        Generator(method="dp_finetune", epsilon=1.0),
-        Generator(method="dp_finetune", epsilon=10.0),
-    )
+    generators: tuple[Generator, ...] = DEFAULT_GENERATORS
     num_samples: int = 24
     max_new_tokens: int = 24
     delta: float = 1e-5

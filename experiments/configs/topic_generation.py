@@ -28,6 +28,7 @@ from dpmix_jax.synthesis import DP_FINETUNE, METHODS, GeneratorTuning
 
 GENERATORS = (*METHODS, DP_FINETUNE)
 REFERENCES = ("public", "nonprivate", "real")
+EPSILONS = (1.0, 3.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,7 +63,7 @@ class TopicGenerationConfig:
     model: str = "smollm2"
     generators: tuple[str, ...] = GENERATORS
     references: tuple[str, ...] = REFERENCES
-    epsilons: tuple[float, ...] = (1.0, 3.0, 10.0)
+    epsilons: tuple[float, ...] = EPSILONS
     delta: float = 1e-5
     seeds: tuple[int, ...] = (0, 1, 2)
     topics: tuple[str, ...] = BBC_TOPICS

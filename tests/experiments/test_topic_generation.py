@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -148,6 +149,29 @@ def test_a_resumed_study_reads_finished_runs_back_and_a_new_setting_runs_anew(
         topic_generation.main(changed, tmp_path, reproducible=True)
 
 
+def test_a_run_draws_the_same_lines_whichever_other_runs_the_study_holds(tmp_path, model_folder):
+    # Stage names leave the other runs out, so their randomness must leave them out too.
+    full = tiny_config(
+        model_folder, generators=("coordinated", "independent"), references=("public",),
+        epsilons=(1.0, 10.0),
+    )  # fmt: skip
+    fewer = dataclasses.replace(full, generators=("independent",), epsilons=(10.0,))
+
+    def lines(config, out):
+        topic_generation.main(config, out, reproducible=True)
+        samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        runs = {}
+        for sample in samples:
+            runs.setdefault((sample["generator"], sample["target_epsilon"]), []).append(
+                sample["text"]
+            )
+        return runs
+
+    everything, some = lines(full, tmp_path / "full"), lines(fewer, tmp_path / "fewer")
+    assert set(some) == {("independent", 10.0), ("public", None)}
+    assert all(some[run] == everything[run] for run in some)
+
+
 def test_the_share_of_the_gap_kept_is_taken_from_the_references_means():
     def row(generator, epsilon, seed, accuracy):
         measures = dict.fromkeys(topic_generation.MEASURES, 0.5)
@@ -167,6 +191,27 @@ def test_the_share_of_the_gap_kept_is_taken_from_the_references_means():
     assert summary["coordinated"]["accuracy"] == pytest.approx({"mean": 0.35, "std": 0.05})
     no_references = topic_generation.summarise(rows[4:])[0]["gap_kept"]
     assert no_references == {"topic_fidelity": None, "accuracy": None}
+
+
+def test_the_test_sentences_features_are_computed_once_and_other_texts_every_time():
+    calls = []
+
+    def featurize(texts):
+        calls.append(tuple(texts))
+        return np.array([[len(t), ord(t[0])] for t in texts], dtype=np.float32)
+
+    test = ["a real line", "another one"]
+    remembering = topic_generation.remembering(featurize, test)
+    first = remembering(list(test))
+    again = remembering(tuple(test))
+    generated = remembering(["a synthetic line"])
+    remembering(["a synthetic line"])
+    np.testing.assert_array_equal(first, featurize(test))
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_array_equal(generated, featurize(["a synthetic line"]))
+    assert calls.count(tuple(test)) == 2  # once remembered, once by the check above
+    assert calls.count(("a synthetic line",)) == 3
+    assert remembering(test[::-1]).tolist() == featurize(test[::-1]).tolist()
 
 
 @pytest.mark.parametrize(
