@@ -67,8 +67,10 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
     assert 0 < rows["coordinated"]["unanimous_release_probability"] < 1
     summary = {entry["generator"]: entry for entry in results["summary"]}
     for name in topic_generation.GAP_MEASURES:
-        assert summary["public"]["gap_kept"][name] == 0
-        assert summary["nonprivate"]["gap_kept"][name] == 1
+        # On a tiny model the references may tie on a measure; the share is then undefined.
+        tied = summary["public"][name]["mean"] == summary["nonprivate"][name]["mean"]
+        kept = [summary[reference]["gap_kept"][name] for reference in ("public", "nonprivate")]
+        assert kept == ([None, None] if tied else [0, 1]), name
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == (len(rows) - 1) * 2 * 4
     # The real reference's lines are the sensitive sentences: measured, never in the samples.
