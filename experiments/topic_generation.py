@@ -113,19 +113,14 @@ def topic_data(config: configs.TopicGenerationConfig) -> dict[str, TopicData]:
     the test half only by the (non-private) measures.
     """
     data = {}
+    lengths = dict(min_chars=config.min_chars, max_chars=config.max_chars)
     for topic in config.topics:
-
-        def sentences(part, topic=topic):
-            return topic_sentences(
-                topic, part=part, min_chars=config.min_chars, max_chars=config.max_chars
-            )
-
-        documents = tuple({"text": s} for s in sentences(0))
+        documents = tuple({"text": s} for s in topic_sentences(topic, part=0, **lengths))
         if len(documents) < config.num_teachers:
             raise ValueError(
                 f"topic {topic} has {len(documents)} sentences for {config.num_teachers} teachers"
             )
-        test = tuple(sentences(1)[: config.test_per_topic])
+        test = tuple(topic_sentences(topic, part=1, **lengths)[: config.test_per_topic])
         data[topic] = TopicData(documents=documents, test=test)
     return data
 
@@ -278,7 +273,7 @@ def reference_run(config, model, ensembles, which: str, key) -> dict:
     }
 
 
-def test_sentences(config, data: dict[str, TopicData]) -> list[str]:
+def real_test_sentences(config, data: dict[str, TopicData]) -> list[str]:
     """The real test sentences, topic after topic."""
     return [s for topic in config.topics for s in data[topic].test]
 
@@ -288,7 +283,7 @@ def measure(config, run: dict, data: dict[str, TopicData], featurize) -> dict:
 
     Privacy: not private: the measures read the real test sentences (evaluation only).
     """
-    test = test_sentences(config, data)
+    test = real_test_sentences(config, data)
     test_labels = [topic for topic in config.topics for _ in data[topic].test]
     worded = [(t, label) for t, label in zip(run["lines"], run["labels"], strict=True)]
     worded = [(t, label) for t, label in worded if quality.words(t)]
@@ -374,7 +369,7 @@ def main(
         quality.last_token_features(
             model.model, model.tokenizer, max_tokens=min(64, int(model.model.config.n_positions))
         ),
-        test_sentences(config, data),
+        real_test_sentences(config, data),
     )
     plan = [(g, e) for g in config.generators for e in config.epsilons]
     plan += [(r, None) for r in config.references]
@@ -458,7 +453,8 @@ def main(
 
 def remembering(featurize, texts):
     """`featurize`, computing the features of `texts` once: every run's MAUVE features the same
-    real test sentences, about a minute of SmolLM2 each time."""
+    real test sentences, about a minute of SmolLM2 each time. The remembered array is read-only,
+    so a caller that wrote into it would fail instead of changing every later run's score."""
     texts = tuple(texts)
     remembered = []
 
@@ -466,7 +462,9 @@ def remembering(featurize, texts):
         if tuple(batch) != texts:
             return featurize(batch)
         if not remembered:
-            remembered.append(np.asarray(featurize(texts)))
+            features = np.array(featurize(texts))
+            features.setflags(write=False)
+            remembered.append(features)
         return remembered[0]
 
     return featurize_remembering

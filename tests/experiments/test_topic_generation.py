@@ -210,6 +210,8 @@ def test_the_test_sentences_features_are_computed_once_and_other_texts_every_tim
     remembering(["a synthetic line"])
     np.testing.assert_array_equal(first, featurize(test))
     np.testing.assert_array_equal(again, first)
+    with pytest.raises(ValueError, match="read-only"):
+        again[0, 0] = 0.0  # a caller cannot change what later runs are scored against
     np.testing.assert_array_equal(generated, featurize(["a synthetic line"]))
     assert calls.count(tuple(test)) == 2  # once remembered, once by the check above
     assert calls.count(("a synthetic line",)) == 3
