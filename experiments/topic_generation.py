@@ -15,15 +15,18 @@ tells the public model nothing), at (ε, δ), and samples the same lines after e
 `pate.peers.reference.generate_public`) and sampling from the teachers' average distribution
 (ε = ∞, `generate_nonprivate`). Every line starts from the public prompt.
 
-Measured per run (`synthesis.quality`): downstream accuracy of a TF-IDF + logistic-regression
-classifier trained on the synthetic lines (labelled by topic) and tested on real sentences of
-the other held-out articles; topic fidelity (the share of synthetic lines a classifier trained
-on those real sentences assigns to their topic); MAUVE against the real sentences (features:
-the public model's last-token states); the share of tokens the teachers released (the rest are
-the public model's); seconds per token over the ε = ∞ reference's. Each finished run is stored
-in `stages/` under a key of what determines it, so an interrupted study resumes where it
-stopped without spending its budget again. Writes results.json, results.md,
-topic_generation.png and samples.jsonl.
+Measured per run (`synthesis.quality`): downstream accuracy of a logistic-regression
+classifier on the public model's mean token states (`quality.mean_token_features`), trained on
+the synthetic lines (labelled by topic) and tested on real sentences of the other held-out
+articles; topic fidelity (the share of synthetic lines the same classifier trained on those
+real sentences assigns to their topic); the downstream accuracy of TF-IDF + logistic regression
+instead, which at a few lines a topic stays near chance even on real sentences; MAUVE against
+the real sentences (features: the public model's last-token states); the share of tokens the
+teachers released (the rest are the public model's); seconds per token over the ε = ∞
+reference's. Each finished run's lines are stored in `stages/` under a key of what determines
+them, so an interrupted study resumes where it stopped without spending its budget again; the
+measures are recomputed from the stored lines (evaluation only). Writes results.json,
+results.md, topic_generation.png and samples.jsonl.
 
     python -m experiments.topic_generation --out runs/topic_generation --reproducible
 """
@@ -73,6 +76,7 @@ GAP_MEASURES = ("topic_fidelity", "accuracy")
 MEASURES = (
     "accuracy",
     "topic_fidelity",
+    "tfidf_accuracy",
     "mauve",
     "teacher_share",
     "distinct_2",
@@ -278,8 +282,9 @@ def real_test_sentences(config, data: dict[str, TopicData]) -> list[str]:
     return [s for topic in config.topics for s in data[topic].test]
 
 
-def measure(config, run: dict, data: dict[str, TopicData], featurize) -> dict:
-    """The run's downstream accuracy, topic fidelity, MAUVE, distinct-2 and teacher share.
+def measure(config, run: dict, data: dict[str, TopicData], featurize, embed) -> dict:
+    """The run's downstream accuracy and topic fidelity (a classifier on `embed`'s features),
+    TF-IDF downstream accuracy, MAUVE (on `featurize`'s), distinct-2 and teacher share.
 
     Privacy: not private: the measures read the real test sentences (evaluation only).
     """
@@ -292,15 +297,20 @@ def measure(config, run: dict, data: dict[str, TopicData], featurize) -> dict:
     trained_on_synthetic = len(set(labels)) >= 2
     return {
         "accuracy": quality.downstream_accuracy(
-            texts, labels, test, test_labels, seed=seed
+            texts, labels, test, test_labels, seed=seed, featurize=embed
         ).accuracy
         if trained_on_synthetic
         else None,
         "topic_fidelity": quality.downstream_accuracy(
-            test, test_labels, texts, labels, seed=seed
+            test, test_labels, texts, labels, seed=seed, featurize=embed
         ).accuracy
         if texts
         else 0.0,
+        "tfidf_accuracy": quality.downstream_accuracy(
+            texts, labels, test, test_labels, seed=seed
+        ).accuracy
+        if trained_on_synthetic
+        else None,
         "mauve": quality.mauve_score(texts, test, featurize=featurize, seed=seed).mauve
         if len(texts) >= quality.MIN_MAUVE_TEXTS
         else None,
@@ -365,11 +375,13 @@ def main(
     model = synthesis.load_public_model(config.model, stages=stages, log=log)
     digest = model.digest()
     data = topic_data(config)
+    test = real_test_sentences(config, data)
+    max_tokens = min(64, int(model.model.config.n_positions))
     featurize = remembering(
-        quality.last_token_features(
-            model.model, model.tokenizer, max_tokens=min(64, int(model.model.config.n_positions))
-        ),
-        real_test_sentences(config, data),
+        quality.last_token_features(model.model, model.tokenizer, max_tokens=max_tokens), test
+    )
+    embed = remembering(
+        quality.mean_token_features(model.model, model.tokenizer, max_tokens=max_tokens), test
     )
     plan = [(g, e) for g in config.generators for e in config.epsilons]
     plan += [(r, None) for r in config.references]
@@ -412,9 +424,9 @@ def main(
                     run = teacher_run(
                         config, model, shared_ensembles(), generator, epsilon, run_key
                     )
-                run |= measure(config, run, data, featurize)
                 if stage is not None:
                     write_stage(stage, run)
+            run |= measure(config, run, data, featurize, embed)
             rows.append(
                 {
                     "generator": generator,
@@ -452,9 +464,10 @@ def main(
 
 
 def remembering(featurize, texts):
-    """`featurize`, computing the features of `texts` once: every run's MAUVE features the same
-    real test sentences, about a minute of SmolLM2 each time. The remembered array is read-only,
-    so a caller that wrote into it would fail instead of changing every later run's score."""
+    """`featurize`, computing the features of `texts` once: every run's MAUVE and classifiers
+    featurize the same real test sentences, about a minute of SmolLM2 each time. The
+    remembered array is read-only, so a caller that wrote into it would fail instead of
+    changing every later run's score."""
     texts = tuple(texts)
     remembered = []
 
@@ -544,8 +557,8 @@ def markdown(results: dict) -> str:
         f"# {TITLE}",
         "",
         "| generator | ε target | ε spent | topic fidelity | gap kept | downstream accuracy |"
-        " gap kept | MAUVE | teacher tokens | distinct-2 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " gap kept | TF-IDF accuracy | MAUVE | teacher tokens | distinct-2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = {g: i for i, g in enumerate((*config["generators"], *config["references"]))}
     summary = sorted(
@@ -561,8 +574,8 @@ def markdown(results: dict) -> str:
             f"| {LABELS[entry['generator']]} | {'-' if epsilon is None else f'{epsilon:g}'} |"
             f" {entry['epsilon_spent']:.3g} | {_cell(entry, 'topic_fidelity')} |"
             f" {gap['topic_fidelity']} | {_cell(entry, 'accuracy')} | {gap['accuracy']} |"
-            f" {_cell(entry, 'mauve', 3)} | {_cell(entry, 'teacher_share')} |"
-            f" {_cell(entry, 'distinct_2')} |"
+            f" {_cell(entry, 'tfidf_accuracy')} | {_cell(entry, 'mauve', 3)} |"
+            f" {_cell(entry, 'teacher_share')} | {_cell(entry, 'distinct_2')} |"
         )
     tests = sum(results["test_sentences"].values())
     lines += [
@@ -577,11 +590,12 @@ def markdown(results: dict) -> str:
         f"{config['finetuning']['lora']['rank']} DP-LoRA generator trained"
         f" {config['finetuning']['steps']} DP-SGD steps (expected batch"
         f" {config['finetuning']['batch_size']}) on every topic's labelled sentences. Downstream"
-        " accuracy: TF-IDF + logistic regression trained on the synthetic lines, tested on"
-        f" {tests} real sentences of the other held-out articles (chance"
-        f" {1 / len(config['topics']):.2f}); topic fidelity: the share of synthetic lines a"
-        " classifier trained on the real sentences assigns to their topic (chance"
-        f" {1 / len(config['topics']):.2f}); gap kept: (the measure - ε = 0's) / (ε = ∞'s -"
+        " accuracy: logistic regression on the public model's mean token states, trained on"
+        f" the synthetic lines, tested on {tests} real sentences of the other held-out articles"
+        f" (chance {1 / len(config['topics']):.2f}); topic fidelity: the share of synthetic"
+        " lines the same classifier trained on the real sentences assigns to their topic"
+        f" (chance {1 / len(config['topics']):.2f}); TF-IDF accuracy: the downstream accuracy"
+        " of TF-IDF + logistic regression instead; gap kept: (the measure - ε = 0's) / (ε = ∞'s -"
         " ε = 0's), from the means, for the measure on its left; teacher tokens: the"
         " share of tokens the teachers released (the rest are the public model's); real"
         " sentences: as many of the teachers' own sentences, cut to a line's length (a ceiling"

@@ -7,8 +7,8 @@
 * `mauve_score`: MAUVE (Pillutla et al., 2021, "MAUVE: Measuring the Gap Between Neural Text and
   Human Text using Divergence Frontiers") through the `mauve-text` package, on features from a
   caller's featuriser, e.g. `last_token_features` of our own GPT-2 or Llama-family model;
-* `downstream_accuracy`: a TF-IDF + logistic-regression classifier trained on synthetic labelled
-  texts and tested on real held-out ones.
+* `downstream_accuracy`: a logistic-regression classifier trained on synthetic labelled texts and
+  tested on real held-out ones, on TF-IDF or on a model's features (`mean_token_features`).
 
 Words are the matches of `WORD_PATTERN` in the lower-cased text: maximal runs of Unicode letters
 and digits, joined across inner apostrophes ("Don't stop" -> ["don't", "stop"]).
@@ -56,6 +56,7 @@ __all__ = [
     "english_vocabulary",
     "last_token_features",
     "mauve_score",
+    "mean_token_features",
     "vocabulary_share",
     "words",
 ]
@@ -201,16 +202,65 @@ def last_token_features(
     Privacy:
         The features of real texts are as sensitive as the texts.
     """
+    return _pooled_features(
+        model, tokenizer, max_tokens=max_tokens, batch_size=batch_size, pooling="last"
+    )
+
+
+def mean_token_features(
+    model: GPT2 | Llama, tokenizer: TextTokenizer, *, max_tokens: int, batch_size: int = 32
+) -> Callable[[Sequence[str]], np.ndarray]:
+    """A featuriser for `downstream_accuracy`: each text's final hidden states averaged over its
+    tokens.
+
+    The mean of the final layer norm's (GPT-2) or RMSNorm's (the Llama family) output over a
+    text's tokens: the usual sentence embedding of a decoder for classification. Every word of
+    the text weighs in it, where the last token's state (`last_token_features`) is shaped by
+    the prediction of the next token; on SmolLM2 and the BBC topics, a logistic regression on
+    these features tells topics apart from a few sentences each. Tokenization, truncation,
+    padding buckets and batching are those of `last_token_features`; padding after a text's
+    last token is left out of its mean.
+
+    Args:
+        model: the Flax GPT-2 or Llama-family model (`PublicTextModel.model`).
+        tokenizer: its tokenizer (`PublicTextModel.tokenizer`).
+        max_tokens: tokens kept per text, 1 to the model's `n_positions`.
+        batch_size: rows per forward pass.
+
+    Returns:
+        `featurize(texts)` -> float32 array of shape (len(texts), width).
+
+    Raises:
+        ValueError: `max_tokens` or `batch_size` out of range; `featurize` raises it for a text
+            with no tokens.
+
+    Privacy:
+        The features of real texts are as sensitive as the texts.
+    """
+    return _pooled_features(
+        model, tokenizer, max_tokens=max_tokens, batch_size=batch_size, pooling="mean"
+    )
+
+
+def _pooled_features(
+    model: GPT2 | Llama,
+    tokenizer: TextTokenizer,
+    *,
+    max_tokens: int,
+    batch_size: int,
+    pooling: str,
+) -> Callable[[Sequence[str]], np.ndarray]:
+    """The featuriser of `last_token_features` (`pooling="last"`) and `mean_token_features`
+    (`pooling="mean"`)."""
+    caller = f"{pooling}_token_features"
     n_positions = int(model.config.n_positions)
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= n_positions:
         raise ValueError(
-            f"last_token_features: max_tokens must be an int in [1, n_positions = "
+            f"{caller}: max_tokens must be an int in [1, n_positions = "
             f"{n_positions}], got {max_tokens!r}."
         )
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(
-            f"last_token_features: batch_size must be a positive int, got {batch_size!r}."
-        )
+        raise ValueError(f"{caller}: batch_size must be a positive int, got {batch_size!r}.")
     buckets = _buckets(max_tokens)
     graphdef, state = nnx.split(model)
     pad_id = tokenizer.eos_id
@@ -228,17 +278,19 @@ def last_token_features(
         return module.ln_f(hidden)
 
     @jax.jit
-    def last_token_states(state, ids, lengths):
-        states = final_states(nnx.merge(graphdef, state), ids)
-        last = jnp.take_along_axis(states, (lengths - 1)[:, None, None], axis=1)[:, 0]
-        return last.astype(jnp.float32)
+    def pooled_states(state, ids, lengths):
+        states = final_states(nnx.merge(graphdef, state), ids).astype(jnp.float32)
+        if pooling == "last":
+            return jnp.take_along_axis(states, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        inside = (jnp.arange(ids.shape[1])[None, :] < lengths[:, None]).astype(jnp.float32)
+        return jnp.einsum("rt,rtw->rw", inside, states) / lengths[:, None]
 
     def featurize(texts: Sequence[str]) -> np.ndarray:
         encoded = [ids[:max_tokens] for ids in tokenizer.encode_batch(list(texts))]
         empty = [i for i, ids in enumerate(encoded) if not ids]
         if empty:
             raise ValueError(
-                f"last_token_features: text {empty[0]} has no tokens ({len(empty)} empty in "
+                f"{caller}: text {empty[0]} has no tokens ({len(empty)} empty in "
                 "all); drop empty texts before measuring."
             )
         features = np.zeros((len(encoded), width), np.float32)
@@ -252,7 +304,7 @@ def last_token_features(
                 for row, index in enumerate(chunk):
                     ids[row, : len(encoded[index])] = encoded[index]
                     lengths[row] = len(encoded[index])
-                states = last_token_states(state, ids, lengths)
+                states = pooled_states(state, ids, lengths)
                 features[chunk] = np.asarray(states)[: len(chunk)]
         return features
 
@@ -287,15 +339,18 @@ class MauveResult:
     q_histogram: tuple[float, ...]
 
 
-def _features(featurize: Callable[[Sequence[str]], np.ndarray], texts: Sequence[str], name: str):
+def _features(
+    featurize: Callable[[Sequence[str]], np.ndarray], texts: Sequence[str], name: str, caller: str
+) -> np.ndarray:
+    """`featurize(texts)`, checked to be one finite row per text."""
     features = np.asarray(featurize(texts))
     if features.ndim != 2 or features.shape[0] != len(texts):
         raise ValueError(
-            f"mauve_score: featurize returned shape {features.shape} for {len(texts)} {name} "
+            f"{caller}: featurize returned shape {features.shape} for {len(texts)} {name} "
             "texts; it must return one row per text, shape (len(texts), d)."
         )
     if not np.all(np.isfinite(features)):
-        raise ValueError(f"mauve_score: featurize returned non-finite features for {name}.")
+        raise ValueError(f"{caller}: featurize returned non-finite features for {name}.")
     return features
 
 
@@ -372,8 +427,8 @@ def mauve_score(
     from mauve import compute_mauve
 
     out = compute_mauve(
-        p_features=_features(featurize, p_texts, "p_texts"),
-        q_features=_features(featurize, q_texts, "q_texts"),
+        p_features=_features(featurize, p_texts, "p_texts", "mauve_score"),
+        q_features=_features(featurize, q_texts, "q_texts", "mauve_score"),
         num_buckets=num_buckets,
         kmeans_explained_var=explained_variance,
         kmeans_num_redo=kmeans_restarts,
@@ -427,12 +482,21 @@ def downstream_accuracy(
     test_labels: Sequence,
     *,
     seed: int,
+    featurize: Callable[[Sequence[str]], np.ndarray] | None = None,
 ) -> DownstreamResult:
-    """Accuracy on real texts of a TF-IDF + logistic-regression classifier fit on synthetic ones.
+    """Accuracy on real texts of a logistic-regression classifier fit on synthetic ones.
 
-    scikit-learn's `TfidfVectorizer` (fit on the training texts, lower-cased, words of
-    `WORD_PATTERN`) feeds a multinomial `LogisticRegression` (L2,
-    C = 1, up to 1000 L-BFGS iterations). Test labels absent from training count as errors.
+    The classifier is scikit-learn's multinomial `LogisticRegression` (L2, C = 1, up to 1000
+    L-BFGS iterations) on either of two features:
+
+    * by default, TF-IDF of the words (`TfidfVectorizer` fit on the training texts,
+      lower-cased, words of `WORD_PATTERN`): it needs the training texts to share words with
+      the test texts, so a few short texts per class leave it near chance;
+    * with `featurize`, a model's features of each text (e.g. `mean_token_features`),
+      standardized by the training texts' means and deviations: a pretrained model's
+      embedding carries the topic of a sentence in words the training texts never used.
+
+    Test labels absent from training count as errors.
 
     Args:
         train_texts: the synthetic texts.
@@ -440,13 +504,15 @@ def downstream_accuracy(
         test_texts: the real held-out texts.
         test_labels: their labels.
         seed: the classifier's `random_state` (L-BFGS itself is deterministic).
+        featurize: texts -> (len(texts), d) features; None for TF-IDF.
 
     Returns:
         The `DownstreamResult`.
 
     Raises:
         ValueError: an empty set, texts and labels of different lengths, a single training
-            class, or training texts without a single word.
+            class, training texts without a single word (TF-IDF), or features that are not
+            one finite row per text.
 
     Privacy:
         Reads the real test texts and labels; the scores are not differentially private with
@@ -455,6 +521,8 @@ def downstream_accuracy(
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
     from sklearn.metrics import accuracy_score, f1_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
 
     for name, texts, labels in (
         ("train", train_texts, train_labels),
@@ -472,14 +540,20 @@ def downstream_accuracy(
             f"downstream_accuracy: the training labels hold {len(classes)} class; a classifier "
             "needs at least 2."
         )
-    vectorizer = TfidfVectorizer(lowercase=True, token_pattern=WORD_PATTERN.pattern)
-    try:
-        train_matrix = vectorizer.fit_transform(list(train_texts))
-    except ValueError:
-        raise ValueError("downstream_accuracy: the training texts hold no words.") from None
     classifier = LogisticRegression(max_iter=1000, random_state=seed)
-    classifier.fit(train_matrix, list(train_labels))
-    predicted = classifier.predict(vectorizer.transform(list(test_texts)))
+    if featurize is None:
+        vectorizer = TfidfVectorizer(lowercase=True, token_pattern=WORD_PATTERN.pattern)
+        try:
+            train_features = vectorizer.fit_transform(list(train_texts))
+        except ValueError:
+            raise ValueError("downstream_accuracy: the training texts hold no words.") from None
+        test_features = vectorizer.transform(list(test_texts))
+    else:
+        classifier = make_pipeline(StandardScaler(), classifier)
+        train_features = _features(featurize, train_texts, "train", "downstream_accuracy")
+        test_features = _features(featurize, test_texts, "test", "downstream_accuracy")
+    classifier.fit(train_features, list(train_labels))
+    predicted = classifier.predict(test_features)
     labels = sorted(classes | set(test_labels), key=repr)
     return DownstreamResult(
         accuracy=float(accuracy_score(list(test_labels), predicted)),

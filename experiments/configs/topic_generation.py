@@ -11,9 +11,10 @@ half the real test set. Each teacher-ensemble method writes `lines_per_topic` li
 from n in-context SmolLM2 teachers (built once per topic and seed, shared by every method and
 ε); DP fine-tuning trains one DP-LoRA generator on every topic's sentences, each after its
 topic's neutral label ("Topic 3: "), and samples the same number of lines after each label.
-Measured: a TF-IDF + logistic-regression classifier trained on the synthetic lines and tested on
-the real ones (downstream accuracy, chance 1 / topics), topic fidelity, MAUVE, the share of each
-run's tokens released by the teachers, ε, and seconds per token against the teachers' average.
+Measured: a logistic-regression classifier on SmolLM2's mean token states trained on the
+synthetic lines and tested on the real ones (downstream accuracy, chance 1 / topics), topic
+fidelity, TF-IDF downstream accuracy, MAUVE, the share of each run's tokens released by the
+teachers, ε, and seconds per token against the teachers' average.
 
 The stored run's duration and results are in docs/generate.md, rebuilt from it.
 """

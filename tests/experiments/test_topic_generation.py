@@ -140,6 +140,13 @@ def test_a_resumed_study_reads_finished_runs_back_and_a_new_setting_runs_anew(
         patch.setattr(topic_generation.reference, "generate_public", refuse)
         again = topic_generation.main(config, tmp_path, reproducible=True)
     assert again["rows"] == first["rows"]
+    # A stage holds what the run generated; its measures are computed again from its lines.
+    stages = sorted((tmp_path / "stages").glob("coordinated-*.json"))
+    assert stages and all("accuracy" not in json.loads(stage.read_text()) for stage in stages)
+    with monkeypatch.context() as patch:
+        patch.setattr(topic_generation.quality, "distinct_n", lambda texts, n: 0.5)
+        remeasured = topic_generation.main(config, tmp_path, reproducible=True)
+    assert {row["distinct_2"] for row in remeasured["rows"]} == {0.5}
     # Another seed list reads the same stored runs: a stored seed is the same run in any list.
     with monkeypatch.context() as patch:
         patch.setattr(synthesis, "synthesize_with", refuse)

@@ -232,7 +232,7 @@ def test_last_token_features_compile_once_per_length_bucket(tiny_gpt2, caplog):
         with caplog.at_level(logging.WARNING), jax.log_compiles():
             featurize(texts)
         messages = [record.getMessage() for record in caplog.records]
-        return sum(m.startswith("Compiling jit(last_token_states)") for m in messages)
+        return sum(m.startswith("Compiling jit(pooled_states)") for m in messages)
 
     assert 1 <= compiles(texts) <= 3  # buckets 16, 32, 64
     assert compiles([" ".join(words[:k]) for k in range(2, 40, 5)]) == 0
@@ -245,6 +245,50 @@ def test_last_token_features_reject_empty_texts_and_bad_settings(tiny_gpt2):
     featurize = quality.last_token_features(model, tokenizer, max_tokens=16)
     with pytest.raises(ValueError, match="text 1 has no tokens"):
         featurize(["the goal", ""])
+
+
+def test_mean_token_features_are_the_mean_of_the_states_the_model_reads_its_logits_from(
+    tiny_gpt2,
+):
+    # The head is linear, so the head of the mean state is the mean of every position's logits.
+    model, tokenizer = tiny_gpt2
+    featurize = quality.mean_token_features(model, tokenizer, max_tokens=64, batch_size=4)
+    for text in ("the coach and the team kick the ball", "salt"):
+        logits = model(jnp.asarray([tokenizer.encode(text)]))[0]
+        mean_logits = model.wte.attend(jnp.asarray(featurize([text])[0]))
+        np.testing.assert_allclose(mean_logits, logits.mean(0), atol=1e-4, rtol=1e-4)
+
+
+def test_llama_mean_features_are_the_mean_state_and_ignore_padding_and_neighbours(tiny_gpt2):
+    _, tokenizer = tiny_gpt2
+    config = LlamaConfig.tiny(vocab_size=512, max_position_embeddings=64, tie_word_embeddings=True)
+    model = Llama(config, rngs=nnx.Rngs(1))
+    featurize = quality.mean_token_features(model, tokenizer, max_tokens=64, batch_size=2)
+    texts = ["the goal", "the coach and the team kick the ball", "salt pepper onion"]
+    features = featurize(texts)
+    for text, feature in zip(texts, features, strict=True):
+        logits = model(jnp.asarray([tokenizer.encode(text)]))[0]
+        head = model.embed_tokens.attend(jnp.asarray(feature))
+        np.testing.assert_allclose(head, logits.mean(0), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(featurize([text])[0], feature, atol=1e-5)
+    last = quality.last_token_features(model, tokenizer, max_tokens=64)(texts)
+    assert not np.allclose(features[1], last[1], atol=1e-3)
+
+
+def test_mean_token_features_keep_the_first_max_tokens_tokens_and_reject_bad_input(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    featurize = quality.mean_token_features(model, tokenizer, max_tokens=20)
+    text = " ".join(SPORT * 3)
+    ids = tokenizer.encode(text)
+    assert len(ids) > 20
+    logits = model(jnp.asarray([ids[:20]]))[0]
+    np.testing.assert_allclose(
+        model.wte.attend(featurize([text])[0]), logits.mean(0), atol=1e-4, rtol=1e-4
+    )
+    with pytest.raises(ValueError, match=r"mean_token_features: batch_size must be a positive"):
+        quality.mean_token_features(model, tokenizer, max_tokens=20, batch_size=0)
+    with pytest.raises(ValueError, match="mean_token_features: text 0 has no tokens"):
+        featurize([""])
 
 
 def test_mauve_on_tiny_gpt2_features_separates_topics(samples, tiny_gpt2):
@@ -289,3 +333,62 @@ def test_downstream_accuracy_rejects_empty_sets_one_class_and_mismatched_labels(
         quality.downstream_accuracy(texts, ["sport"] * 10, texts, labels, seed=0)
     with pytest.raises(ValueError, match="hold no words"):
         quality.downstream_accuracy(["!", "?"], ["a", "b"], texts, labels, seed=0)
+
+
+# Each word's topic, as a pretrained embedding would know it: sport +1, cooking -1, filler 0.
+_TOPIC_OF_WORD = {**dict.fromkeys(SPORT, 1.0), **dict.fromkeys(COOKING, -1.0)}
+
+
+def topic_features(texts):
+    rows = []
+    for text in texts:
+        known = [_TOPIC_OF_WORD.get(word, 0.0) for word in quality.words(text)]
+        rows.append([np.mean(known), len(known)])
+    return np.asarray(rows)
+
+
+def test_downstream_accuracy_on_features_reads_topics_in_words_training_never_used():
+    # Train on the first half of each topic's words, test on the other half: TF-IDF has no
+    # word in common and guesses; features that know each word's topic classify.
+    half = len(SPORT) // 2
+    train_texts = topic_texts(SPORT[:half], 50, 1) + topic_texts(COOKING[:half], 50, 2)
+    test_texts = topic_texts(SPORT[half:], 100, 3) + topic_texts(COOKING[half:], 100, 4)
+    train_labels, test_labels = ["s"] * 50 + ["c"] * 50, ["s"] * 100 + ["c"] * 100
+
+    def accuracy(labels, featurize):
+        return quality.downstream_accuracy(
+            train_texts, labels, test_texts, test_labels, seed=0, featurize=featurize
+        ).accuracy
+
+    assert 0.3 < accuracy(train_labels, None) < 0.7
+    assert accuracy(train_labels, topic_features) > 0.95
+
+
+def test_downstream_accuracy_standardizes_features_by_the_training_texts():
+    # A feature that carries the topic a million times smaller than a noise feature: without
+    # standardization the L2 penalty would leave it unused.
+    texts, labels = labelled(100, 5)
+
+    def scaled(batch):
+        noise = np.random.default_rng(len(batch)).normal(size=len(batch))
+        return np.column_stack([1e-6 * topic_features(batch)[:, 0], noise])
+
+    result = quality.downstream_accuracy(texts, labels, texts, labels, seed=0, featurize=scaled)
+    assert result.accuracy > 0.95
+
+
+def test_downstream_accuracy_rejects_features_that_are_not_one_finite_row_per_text():
+    texts, labels = labelled(5, 0)
+    with pytest.raises(ValueError, match="downstream_accuracy: featurize returned shape"):
+        quality.downstream_accuracy(
+            texts, labels, texts, labels, seed=0, featurize=lambda batch: np.zeros((3, 2))
+        )
+    with pytest.raises(ValueError, match="downstream_accuracy: featurize returned non-finite"):
+        quality.downstream_accuracy(
+            texts,
+            labels,
+            texts,
+            labels,
+            seed=0,
+            featurize=lambda batch: np.full((len(batch), 2), np.inf),
+        )
