@@ -611,7 +611,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
     """Downstream accuracy and topic fidelity against ε, one line per generator, the
     references drawn across. Draws from `results` alone (`results.json` read back will do)."""
     config = results["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
     for ax, name, label in (
         (axes[0], "accuracy", "downstream accuracy (real test sentences)"),
         (axes[1], "topic_fidelity", "topic fidelity (classifier trained on real)"),
@@ -637,13 +637,13 @@ def plot(results: dict, path: pathlib.Path) -> None:
         ax.axhline(1 / len(config["topics"]), color="0.6", linewidth=0.8, label="chance")
         ax.set(xscale="log", xlabel="ε (δ fixed)", ylabel=label)
         ax.set_xticks(config["epsilons"], [f"{e:g}" for e in config["epsilons"]])
-    axes[0].legend(fontsize=7)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(
         f"{config['model']}: topic-conditioned lines, {config['num_teachers']} teachers per"
         f" topic; error bars: std over {len(config['seeds'])} seeds",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -676,31 +676,41 @@ def test_dp_fine_tuning_writes_english_once_paid_but_does_not_reach_the_document
     assert rows["notes", "nonprivate"]["mauve"] > public_mauve
 
 
-def test_the_topic_studys_references_separate_in_fidelity_and_no_private_generator_does():
-    # docs/generate.md, Which generator: over 3 seeds the teachers' average (ε = ∞) puts more of
-    # its lines in their topic than the public model (ε = 0) by far more than two standard errors
-    # of the difference, and the real sentences at least as many; no private generator's mean
-    # comes within that margin of ε = ∞; every run spent at most its target ε; the published
-    # samples hold every generated line and none of the real (sensitive) sentences.
+def test_the_topic_studys_references_separate_and_no_private_generator_comes_near_infinity():
+    # docs/generate.md, Which generator: over 3 seeds the lines sampled from the teachers' average
+    # (ε = ∞) beat the public model's (ε = 0) in downstream accuracy and topic fidelity by far more
+    # than two standard errors of the difference, the public model's accuracy is near chance and
+    # the real sentences at least reach ε = ∞; TF-IDF on the same lines separates nothing; no
+    # private generator's mean comes within two standard errors of ε = ∞ on either measure; every
+    # run spent at most its target ε; the published samples hold every generated line and none
+    # of the real (sensitive) sentences.
     results = stored("topic_generation")
     seeds = results["config"]["seeds"]
     assert len(seeds) == 3
     summary = {(e["generator"], e["target_epsilon"]): e for e in results["summary"]}
-    fidelity = {key: e["topic_fidelity"]["mean"] for key, e in summary.items()}
     lines = results["config"]["lines_per_topic"] * len(results["config"]["topics"])
-    standard_error = np.sqrt(2 * 0.25 / lines / len(seeds))  # of a difference of two means
-    infinite, zero = fidelity["nonprivate", None], fidelity["public", None]
-    assert infinite - zero > 2 * standard_error
-    assert fidelity["real", None] >= infinite - standard_error
-    private = [key for key in fidelity if key[1] is not None]
+    tests = results["config"]["test_per_topic"] * len(results["config"]["topics"])
+    chance = 1 / len(results["config"]["topics"])
+    private = [key for key in summary if key[1] is not None]
     assert len(private) == 7 * 3
-    assert all(fidelity[key] < infinite - 2 * standard_error for key in private)
+    for measure, size in (("accuracy", tests), ("topic_fidelity", lines)):
+        mean = {key: e[measure]["mean"] for key, e in summary.items()}
+        # Of a difference of two means over the seeds, at the largest binomial variance.
+        standard_error = np.sqrt(2 * 0.25 / size / len(seeds))
+        infinite, zero = mean["nonprivate", None], mean["public", None]
+        assert infinite - zero > 5 * standard_error, measure
+        assert abs(zero - chance) < 0.05, measure
+        assert mean["real", None] >= infinite - standard_error, measure
+        assert all(mean[key] < infinite - 2 * standard_error for key in private), measure
+    tfidf = {key: e["tfidf_accuracy"]["mean"] for key, e in summary.items()}
+    assert abs(tfidf["nonprivate", None] - tfidf["public", None]) < 0.1
+    assert tfidf["real", None] < 0.35
     for row in results["rows"]:
         if row["target_epsilon"] is not None:
             assert 0 < row["epsilon"] <= row["target_epsilon"] * (1 + 1e-9), row["generator"]
     samples = [json.loads(line) for line in (RESULTS / "topic_generation_samples.jsonl").open()]
-    assert {s["generator"] for s in samples} == {g for g, _ in fidelity} - {"real"}
-    assert len(samples) == (len(fidelity) - 1) * lines * len(seeds)
+    assert {s["generator"] for s in samples} == {g for g, _ in summary} - {"real"}
+    assert len(samples) == (len(summary) - 1) * lines * len(seeds)
 
 
 def test_the_enron_stand_ins_order_is_lambdas_and_random_searchs_selection():
