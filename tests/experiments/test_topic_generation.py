@@ -13,7 +13,7 @@ from flax import nnx
 from dpmix_jax import synthesis
 from dpmix_jax.data.tokenizer import train_bpe_tokenizer
 from dpmix_jax.models.gpt2 import GPT2, GPT2Config
-from dpmix_jax.synthesis import public_models
+from dpmix_jax.synthesis import public_models, quality
 from experiments import topic_generation
 from experiments.configs import topic_generation as configs
 
@@ -88,6 +88,18 @@ def test_every_generator_and_reference_has_its_row_and_its_samples(tmp_path, mod
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.count("| DP fine-tuning (DP-LoRA) | 5 | 5 |") == 1
     assert (tmp_path / "topic_generation.png").stat().st_size > 0
+    # The accuracies are the classifiers named: on the model's mean token states, and TF-IDF.
+    test = topic_generation.real_test_sentences(config, data)
+    test_labels = [topic for topic in config.topics for _ in data[topic].test]
+    lines = [s for s in samples if s["generator"] == "nonprivate" and quality.words(s["text"])]
+    texts, labels = [s["text"] for s in lines], [s["topic"] for s in lines]
+    max_tokens = min(64, int(model.model.config.n_positions))
+    embed = quality.mean_token_features(model.model, model.tokenizer, max_tokens=max_tokens)
+    for name, featurize in (("accuracy", embed), ("tfidf_accuracy", None)):
+        expected = quality.downstream_accuracy(
+            texts, labels, test, test_labels, seed=config.mauve_seed, featurize=featurize
+        )
+        assert rows["nonprivate"][name] == pytest.approx(expected.accuracy), name
 
 
 def test_dp_fine_tuning_trains_once_on_every_topic_behind_a_neutral_label(
