@@ -219,20 +219,8 @@ def mean_token_features(
     the prediction of the next token; on SmolLM2 and the BBC topics, a logistic regression on
     these features tells topics apart from a few sentences each. Tokenization, truncation,
     padding buckets and batching are those of `last_token_features`; padding after a text's
-    last token is left out of its mean.
-
-    Args:
-        model: the Flax GPT-2 or Llama-family model (`PublicTextModel.model`).
-        tokenizer: its tokenizer (`PublicTextModel.tokenizer`).
-        max_tokens: tokens kept per text, 1 to the model's `n_positions`.
-        batch_size: rows per forward pass.
-
-    Returns:
-        `featurize(texts)` -> float32 array of shape (len(texts), width).
-
-    Raises:
-        ValueError: `max_tokens` or `batch_size` out of range; `featurize` raises it for a text
-            with no tokens.
+    last token is left out of its mean. Arguments, return value and errors are those of
+    `last_token_features`.
 
     Privacy:
         The features of real texts are as sensitive as the texts.

@@ -194,29 +194,24 @@ def test_last_token_features_do_not_depend_on_padding_or_batch_neighbours(tiny_g
     assert not np.allclose(batch[0], batch[2], atol=1e-3)
 
 
-def test_llama_features_are_the_state_its_head_reads_and_ignore_padding(samples, tiny_gpt2):
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_gpt2):
     _, tokenizer = tiny_gpt2
     config = LlamaConfig.tiny(vocab_size=512, max_position_embeddings=64, tie_word_embeddings=True)
-    model = Llama(config, rngs=nnx.Rngs(1))
+    return Llama(config, rngs=nnx.Rngs(1)), tokenizer
+
+
+def test_llama_features_are_the_state_its_head_reads_and_ignore_padding(tiny_llama):
+    model, tokenizer = tiny_llama
     featurize = quality.last_token_features(model, tokenizer, max_tokens=64, batch_size=2)
     texts = ["the goal", "the coach and the team kick the ball", "salt pepper onion"]
     features = featurize(texts)
-    assert features.shape == (3, config.hidden_size)
+    assert features.shape == (3, model.config.hidden_size)
     for text, feature in zip(texts, features, strict=True):
         logits = model(jnp.asarray([tokenizer.encode(text)]))[0, -1]
         head = model.embed_tokens.attend(jnp.asarray(feature))
         np.testing.assert_allclose(head, logits, atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(featurize([text])[0], feature, atol=1e-5)
-
-
-def test_last_token_features_keep_the_first_max_tokens_tokens(tiny_gpt2):
-    model, tokenizer = tiny_gpt2
-    featurize = quality.last_token_features(model, tokenizer, max_tokens=20)
-    text = " ".join(SPORT * 3)
-    ids = tokenizer.encode(text)
-    assert len(ids) > 20
-    logits = model(jnp.asarray([ids[:20]]))[0, -1]
-    np.testing.assert_allclose(model.wte.attend(featurize([text])[0]), logits, atol=1e-4, rtol=1e-4)
 
 
 def test_last_token_features_compile_once_per_length_bucket(tiny_gpt2, caplog):
@@ -238,15 +233,6 @@ def test_last_token_features_compile_once_per_length_bucket(tiny_gpt2, caplog):
     assert compiles([" ".join(words[:k]) for k in range(2, 40, 5)]) == 0
 
 
-def test_last_token_features_reject_empty_texts_and_bad_settings(tiny_gpt2):
-    model, tokenizer = tiny_gpt2
-    with pytest.raises(ValueError, match=r"max_tokens must be an int in \[1, n_positions = 64\]"):
-        quality.last_token_features(model, tokenizer, max_tokens=65)
-    featurize = quality.last_token_features(model, tokenizer, max_tokens=16)
-    with pytest.raises(ValueError, match="text 1 has no tokens"):
-        featurize(["the goal", ""])
-
-
 def test_mean_token_features_are_the_mean_of_the_states_the_model_reads_its_logits_from(
     tiny_gpt2,
 ):
@@ -259,10 +245,8 @@ def test_mean_token_features_are_the_mean_of_the_states_the_model_reads_its_logi
         np.testing.assert_allclose(mean_logits, logits.mean(0), atol=1e-4, rtol=1e-4)
 
 
-def test_llama_mean_features_are_the_mean_state_and_ignore_padding_and_neighbours(tiny_gpt2):
-    _, tokenizer = tiny_gpt2
-    config = LlamaConfig.tiny(vocab_size=512, max_position_embeddings=64, tie_word_embeddings=True)
-    model = Llama(config, rngs=nnx.Rngs(1))
+def test_llama_mean_features_are_the_mean_state_and_ignore_padding_and_neighbours(tiny_llama):
+    model, tokenizer = tiny_llama
     featurize = quality.mean_token_features(model, tokenizer, max_tokens=64, batch_size=2)
     texts = ["the goal", "the coach and the team kick the ball", "salt pepper onion"]
     features = featurize(texts)
@@ -275,20 +259,36 @@ def test_llama_mean_features_are_the_mean_state_and_ignore_padding_and_neighbour
     assert not np.allclose(features[1], last[1], atol=1e-3)
 
 
-def test_mean_token_features_keep_the_first_max_tokens_tokens_and_reject_bad_input(tiny_gpt2):
+FEATURISERS = {"last": quality.last_token_features, "mean": quality.mean_token_features}
+
+
+@pytest.mark.parametrize("pooling", sorted(FEATURISERS))
+def test_token_features_keep_the_first_max_tokens_tokens(tiny_gpt2, pooling):
     model, tokenizer = tiny_gpt2
-    featurize = quality.mean_token_features(model, tokenizer, max_tokens=20)
+    featurize = FEATURISERS[pooling](model, tokenizer, max_tokens=20)
     text = " ".join(SPORT * 3)
     ids = tokenizer.encode(text)
     assert len(ids) > 20
     logits = model(jnp.asarray([ids[:20]]))[0]
+    expected = logits[-1] if pooling == "last" else logits.mean(0)
     np.testing.assert_allclose(
-        model.wte.attend(featurize([text])[0]), logits.mean(0), atol=1e-4, rtol=1e-4
+        model.wte.attend(featurize([text])[0]), expected, atol=1e-4, rtol=1e-4
     )
-    with pytest.raises(ValueError, match=r"mean_token_features: batch_size must be a positive"):
-        quality.mean_token_features(model, tokenizer, max_tokens=20, batch_size=0)
-    with pytest.raises(ValueError, match="mean_token_features: text 0 has no tokens"):
-        featurize([""])
+
+
+@pytest.mark.parametrize("pooling", sorted(FEATURISERS))
+def test_token_features_reject_empty_texts_and_bad_settings(tiny_gpt2, pooling):
+    model, tokenizer = tiny_gpt2
+    name = f"{pooling}_token_features"
+    with pytest.raises(
+        ValueError, match=rf"{name}: max_tokens must be an int in \[1, n_positions = 64\]"
+    ):
+        FEATURISERS[pooling](model, tokenizer, max_tokens=65)
+    with pytest.raises(ValueError, match=f"{name}: batch_size must be a positive int"):
+        FEATURISERS[pooling](model, tokenizer, max_tokens=16, batch_size=0)
+    featurize = FEATURISERS[pooling](model, tokenizer, max_tokens=16)
+    with pytest.raises(ValueError, match=f"{name}: text 1 has no tokens"):
+        featurize(["the goal", ""])
 
 
 def test_mauve_on_tiny_gpt2_features_separates_topics(samples, tiny_gpt2):
