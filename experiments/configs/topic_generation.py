@@ -130,8 +130,8 @@ def get_config(preset: str = "cpu") -> TopicGenerationConfig:
     "teachers64" asks whether Hot PATE's release carries the teachers' vote with four times
     the teachers: at 16 a unanimous token is released with probability 0.37 at ε = 10. It
     reads more of each topic's sentences too, a few per teacher. The teachers' average (ε = ∞)
-    is left out: beside the coordinated run's, its 64 teachers' caches for five topics outgrow
-    24 GiB. About 15 minutes on 2 CPU cores:
+    is left out: with every topic's 64 teachers keeping their cached states for the whole
+    study, it nears 24 GiB even alone. About 15 minutes on 2 CPU cores:
         python -m experiments.topic_generation --preset teachers64 \\
             --out runs/topic_generation_teachers64 --reproducible
     """
